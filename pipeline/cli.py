@@ -1,0 +1,135 @@
+"""The ``strata`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from schemas.config import ConfigError
+
+log = logging.getLogger("strata")
+
+EXIT_USAGE = 2
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def cmd_make_tiny_target(args: argparse.Namespace) -> int:
+    from pipeline.tiny import make_tiny_target, write_conversations
+
+    out = make_tiny_target(args.dir, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed)
+    print(f"tiny target written to {out}")
+    if args.conversations:
+        n = write_conversations(args.conversations, n=args.num_conversations)
+        print(f"{n} conversations written to {args.conversations}")
+    return 0
+
+
+def cmd_make_conversations(args: argparse.Namespace) -> int:
+    from pipeline.tiny import write_conversations
+
+    n = write_conversations(args.path, n=args.n, shape=args.shape)
+    print(f"{n} conversations ({args.shape}) written to {args.path}")
+    return 0
+
+
+def cmd_extract(args: argparse.Namespace) -> int:
+    from pipeline.extract.job import run_extract
+    from schemas.config import ExtractConfig, load_config
+
+    cfg = load_config(args.config, ExtractConfig)
+    m = run_extract(cfg, progress=not args.no_progress)
+    t = m.totals
+    print(
+        f"dataset {m.dataset_id} at {cfg.output.uri}: input rows {t.input_rows} = written {t.rows} + "
+        f"quarantined {t.quarantined}; {t.shards} shards, {t.tokens} tokens, {t.bytes / 1e6:.1f} MB"
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipeline.store.reader import load_manifest
+
+    m = load_manifest(args.dataset)
+    if args.json:
+        print(m.model_dump_json(indent=1))
+        return 0
+    t = m.totals
+    print(f"dataset   {m.dataset_id}  (format v{m.format_version}, created {m.created_at})")
+    print(f"target    {m.target.describe()}  arch {m.target.architecture}")
+    print(f"          weights {m.target.weights_sha256[:16]}  config {m.target.config_sha256[:16]}  "
+          f"tokenizer {m.target.tokenizer_sha256[:16]}  template {(m.target.chat_template_sha256 or '-')[:16]}")
+    print(f"source    {m.source.uri}  ({m.source.format}, {m.source.rows} rows, sha256 {m.source.sha256[:16]})")
+    print("columns:")
+    print(f"  {'capture point':<18} {'boundary':<11} {'dtype':<9} {'H':>6}  {'engine':<20} native id")
+    for c in m.columns:
+        e = c.engine
+        print(f"  {str(c.capture_point):<18} {c.boundary:<11} {c.dtype:<9} {c.hidden_size:>6}  "
+              f"{e.name + ' ' + e.version:<20} {e.native_id} ({e.native_id_convention})")
+    print("shards:")
+    print(f"  {'unit':>5} {'source rows':>13} {'rows':>6} {'quar':>5} {'tokens':>9} {'bytes':>12}  sha256")
+    for s in m.shards:
+        print(f"  {s.unit:>5} {f'{s.source_rows[0]}-{s.source_rows[1]}':>13} {s.rows:>6} {s.quarantined:>5} "
+              f"{s.tokens:>9} {s.bytes:>12}  {(s.sha256 or '-')[:16]}")
+    print(f"totals    input {t.input_rows} = written {t.rows} + quarantined {t.quarantined}; "
+          f"{t.shards} shards, {t.tokens} tokens ({t.loss_tokens} trained on), {t.bytes / 1e6:.2f} MB")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="strata", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("make-tiny-target", help="build a deterministic random-init Llama + tokenizer locally")
+    s.add_argument("dir")
+    s.add_argument("--layers", type=int, default=6)
+    s.add_argument("--hidden", type=int, default=256)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--conversations", help="also write a conversations JSONL here")
+    s.add_argument("--num-conversations", type=int, default=None)
+    s.set_defaults(func=cmd_make_tiny_target)
+
+    s = sub.add_parser("make-conversations", help="write Q&A conversations built from stdlib docstrings")
+    s.add_argument("path")
+    s.add_argument("-n", type=int, default=None)
+    s.add_argument("--shape", choices=["messages", "sharegpt"], default="messages")
+    s.set_defaults(func=cmd_make_conversations)
+
+    s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
+    s.add_argument("--config", required=True)
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_extract)
+
+    s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
+    s.add_argument("dataset")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # noqa: BLE001 - one readable line, details with -v
+        if args.verbose:
+            raise
+        name = type(e).__name__
+        print(f"strata: {name}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

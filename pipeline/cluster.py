@@ -1,0 +1,28 @@
+"""Connecting to Ray: the cluster a job was submitted to, or a local one."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def init_ray(address: str | None = None) -> None:
+    """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    addr = address or os.environ.get("RAY_ADDRESS")
+    if addr:
+        log.info("connecting to the Ray cluster at %s", addr)
+        ray.init(address=addr, log_to_driver=True)
+    else:
+        log.info("starting a local Ray runtime")
+        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current()
+    ctx.enable_progress_bars = False  # Strata prints its own per-unit progress
+    ctx.print_on_execution_start = False

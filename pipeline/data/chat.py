@@ -1,0 +1,77 @@
+"""Apply the target's chat template and mark assistant tokens (the loss mask).
+
+The mask comes from the template's own rendering: for assistant turn i, the text the
+template adds between ``render(messages[:i], add_generation_prompt=True)`` and
+``render(messages[:i+1])`` is what the model generates (content + end-of-turn marker).
+Tokens whose first character falls in such a span get mask 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.data.conversations import BadRow
+
+
+class TemplateError(ValueError):
+    """The chat template does not render conversations as growing prefixes."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class ChatEncoder:
+    def __init__(self, model_dir: str | Path, max_length: int, length_policy: str = "truncate"):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        if not getattr(self.tokenizer, "is_fast", False):
+            raise TemplateError(f"{model_dir}: a fast tokenizer (tokenizer.json) is needed for offset mapping")
+        if not self.tokenizer.chat_template:
+            raise TemplateError(f"{model_dir}: the tokenizer has no chat template")
+        self.max_length = max_length
+        self.length_policy = length_policy
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            upto = self.render(messages[: i + 1])
+            if not (upto.startswith(prompt) and full.startswith(upto)):
+                raise TemplateError(
+                    f"chat template does not render turn {i} as a prefix of the full conversation; "
+                    "the loss mask cannot be derived from it"
+                )
+            spans.append((len(prompt), len(upto)))
+        return full, spans
+
+    def encode(self, messages: list[dict]) -> Encoded:
+        text, spans = self.assistant_spans(messages)
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        mask = [0] * len(ids)
+        j = 0
+        for t, (start, _end) in enumerate(enc["offset_mapping"]):
+            while j < len(spans) and start >= spans[j][1]:
+                j += 1
+            if j < len(spans) and spans[j][0] <= start < spans[j][1]:
+                mask[t] = 1
+        if len(ids) > self.max_length:
+            if self.length_policy == "drop":
+                raise BadRow(f"over-length: {len(ids)} tokens > max_length {self.max_length} (length_policy=drop)")
+            ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not any(mask):
+            raise BadRow(f"no assistant tokens within the first {self.max_length} tokens")
+        return Encoded(ids, mask)

@@ -1,0 +1,69 @@
+"""Read a conversations source (JSONL or Parquet, local or S3) into raw rows.
+
+Rows stay raw bytes here: parsing happens in the tokenize tasks, so every bad row is
+quarantined by the same code, with its source line and reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from pipeline.store.fs import resolve
+
+
+@dataclass(frozen=True)
+class RawRow:
+    row: int         # 0-based index in the source
+    data: bytes      # one JSONL line, or a Parquet row re-encoded as JSON
+
+
+@dataclass
+class SourceScan:
+    uri: str
+    format: str
+    sha256: str
+    rows: list[RawRow]
+
+
+def detect_format(uri: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    if uri.endswith((".jsonl", ".json", ".jsonl.gz")):
+        return "jsonl"
+    if uri.endswith((".parquet", ".pq")):
+        return "parquet"
+    raise ValueError(f"source.uri {uri!r}: cannot tell the format from the name; set source.format to jsonl or parquet")
+
+
+def scan_source(uri: str, fmt: str = "auto", s3: object | None = None) -> SourceScan:
+    """Read every row and the source's digest. Parquet rows become canonical JSON."""
+    fmt = detect_format(uri, fmt)
+    fs, path = resolve(uri, s3)
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(f"source.uri {uri!r} does not exist or is not a file")
+    with fs.open_input_stream(path) as f:
+        blob = f.read()
+    digest = hashlib.sha256(blob).hexdigest()
+    if fmt == "jsonl":
+        lines = blob.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        rows = [RawRow(i, line.rstrip(b"\r")) for i, line in enumerate(lines)]
+    else:
+        import pyarrow as pa
+
+        table = pq.read_table(pa.BufferReader(blob))
+        rows = [RawRow(i, json.dumps(r, ensure_ascii=False, sort_keys=True).encode()) for i, r in enumerate(_iter_rows(table))]
+    return SourceScan(uri=uri, format=fmt, sha256=digest, rows=rows)
+
+
+def _iter_rows(table) -> Iterator[dict]:
+    for batch in table.to_batches(max_chunksize=4096):
+        yield from batch.to_pylist()

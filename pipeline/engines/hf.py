@@ -1,0 +1,158 @@
+"""HF transformers engine: forward hooks capture typed points; never output_hidden_states.
+
+Hooks keep references to tensors the forward pass creates anyway; after the forward the
+valid tokens are packed, split into byte planes on the device, and copied to pinned host
+memory with non-blocking copies and a single synchronisation per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import transformers
+
+from pipeline import conventions
+from pipeline.engines.base import plan_by_tokens
+from pipeline.store.encoding import TORCH_DTYPES, split_planes
+from pipeline.store.writer import CapturedBatch
+from schemas.capture import CapturePoint
+from schemas.provenance import EngineRef
+
+log = logging.getLogger(__name__)
+
+
+def _decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+    base = getattr(model, "model", None) or model.base_model
+    layers = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise TypeError(
+            f"{type(model).__name__}: cannot find decoder layers and final norm (expected .model.layers "
+            "and .model.norm, as in Llama/Qwen/Mistral); add this architecture to pipeline/engines/hf.py"
+        )
+    return base, layers, norm
+
+
+def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
+    """Provenance of a point captured by this engine; needs no loaded model."""
+    return EngineRef(
+        name="hf",
+        version=transformers.__version__,
+        native_id=conventions.hf_hidden_states_index(point, num_layers),
+        native_id_convention=conventions.native_id_convention("hf"),
+        tp_size=1,
+    )
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        points: list[CapturePoint],
+        dtype: str = "bfloat16",
+        device: str = "auto",
+        attn_implementation: str = "sdpa",
+        batch_tokens: int = 16384,
+    ):
+        from transformers import AutoModelForCausalLM
+
+        self.version = transformers.__version__
+        self.dtype = dtype
+        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        self.batch_tokens = batch_tokens
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=TORCH_DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
+        model.eval().to(self.device)
+        self.model = model
+        self.base, self.layers, self.norm = _decoder_parts(model)
+        self.num_layers = len(self.layers)
+        self.hidden_size = int(model.config.get_text_config().hidden_size)
+        self.pad_id = int(model.config.pad_token_id or 0)
+        self.points = [p.validate_for(self.num_layers) for p in points]
+        self._captured: dict[str, torch.Tensor] = {}
+        self._hooks: list = []
+        self._install_hooks()
+
+    # -- hooks ------------------------------------------------------------------------
+    def _install_hooks(self) -> None:
+        n = self.num_layers
+        for p in self.points:
+            key = str(p)
+            k = p.boundary(n)
+            if k is None:  # final post-norm: what the LM head reads
+                self._hooks.append(self.norm.register_forward_hook(self._save_output(key)))
+            elif k == n:    # r_N: the final norm's input
+                self._hooks.append(self.norm.register_forward_pre_hook(self._save_input(key), with_kwargs=True))
+            elif k == 0:    # r_0: what enters layer 0 (after any embedding scaling)
+                self._hooks.append(self.layers[0].register_forward_pre_hook(self._save_input(key), with_kwargs=True))
+            else:           # r_k = o_{k-1}: output of layer k-1
+                self._hooks.append(self.layers[k - 1].register_forward_hook(self._save_output(key)))
+
+    def _save_output(self, key: str):
+        def hook(_mod, _args, out):
+            self._captured[key] = out[0] if isinstance(out, tuple) else out
+        return hook
+
+    def _save_input(self, key: str):
+        def hook(_mod, args, kwargs):
+            self._captured[key] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def engine_ref(self, point: CapturePoint) -> EngineRef:
+        return hf_engine_ref(point, self.num_layers)
+
+    def plan_batches(self, lengths: list[int]) -> list[list[int]]:
+        return plan_by_tokens(lengths, self.batch_tokens)
+
+    # -- forward ----------------------------------------------------------------------
+    def _inputs(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        longest = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+            mask[i, : len(s)] = 1
+        return ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, sequences: list[list[int]]) -> None:
+        """Bare forward through the decoder stack (the benchmark baseline; no LM head)."""
+        ids, mask = self._inputs(sequences)
+        self.base(input_ids=ids, attention_mask=mask, use_cache=False)
+
+    @torch.inference_mode()
+    def capture(self, sequences: list[list[int]]) -> CapturedBatch:
+        self._captured.clear()
+        ids, mask = self._inputs(sequences)
+        self.base(input_ids=ids, attention_mask=mask, use_cache=False)
+        valid = mask.bool()
+        on_gpu = self.device.type == "cuda"
+        planes: dict[str, torch.Tensor] = {}
+        for p in self.points:
+            key = str(p)
+            t = self._captured.pop(key)
+            packed = t[valid].to(TORCH_DTYPES[self.dtype])          # [sum T, H], batch order
+            dev_planes = split_planes(packed)                       # [B, sum T, H] uint8
+            if on_gpu:
+                host = torch.empty(dev_planes.shape, dtype=torch.uint8, pin_memory=True)
+                host.copy_(dev_planes, non_blocking=True)
+                planes[key] = host
+            else:
+                planes[key] = dev_planes
+        if on_gpu:
+            torch.cuda.current_stream().synchronize()  # one sync per batch, not per layer
+        self._captured.clear()
+        return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()})
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,219 @@
+"""The extraction job: source -> tokenize (Ray tasks) -> engine actor pool -> shards -> manifest.
+
+Resumable and exactly-once: units already committed (``_units/*.json``) are skipped,
+a unit's shard only becomes visible through an atomic publish, and the manifest is
+written last, after the counts reconcile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+
+import pyarrow as pa
+from tqdm import tqdm
+
+import pipeline
+from pipeline.conventions import boundary_label
+from pipeline.data.source import scan_source
+from pipeline.engines.hf import hf_engine_ref
+from pipeline.extract import layout
+from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
+from pipeline.identity import target_identity
+from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
+from pipeline.store.reader import load_manifest
+from schemas.config import ExtractConfig
+from schemas.dataset import ENCODING, dataset_schema
+from schemas.identity import TargetIdentity
+from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord, SourceInfo, Totals
+from schemas.provenance import TensorProvenance
+
+log = logging.getLogger(__name__)
+
+
+class ExtractionError(RuntimeError):
+    pass
+
+
+def software_versions() -> dict[str, str]:
+    import pyarrow
+    import torch
+    import transformers
+
+    out = {
+        "strata": pipeline.__version__, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "pyarrow": pyarrow.__version__,
+    }
+    try:
+        import ray
+
+        out["ray"] = ray.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def build_schema(cfg: ExtractConfig, identity: TargetIdentity) -> tuple[pa.Schema, list[TensorProvenance]]:
+    n = identity.num_layers
+    provs = [
+        TensorProvenance(
+            capture_point=p, boundary=boundary_label(p, n), dtype=cfg.engine.dtype, hidden_size=identity.hidden_size,
+            encoding=ENCODING, engine=hf_engine_ref(p, n), target_model=identity.model_name, target_key=identity.key,
+        )
+        for p in cfg.capture
+    ]
+    schema = dataset_schema(provs, identity.model_dump_json(), extraction_json(cfg), software_versions())
+    return schema, provs
+
+
+def extraction_json(cfg: ExtractConfig) -> str:
+    """The parts of the config that determine the data (not where or how fast it runs)."""
+    return json.dumps(cfg.model_dump(mode="json", exclude={"ray", "s3"}), sort_keys=True)
+
+
+def _committed(fs, root: str) -> dict[int, ShardRecord]:
+    out = {}
+    for path in list_files(fs, join(root, layout.UNITS_DIR)):
+        rec = ShardRecord.model_validate_json(read_bytes(fs, path))
+        out[rec.unit] = rec
+    return out
+
+
+def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None:
+    path = join(root, layout.JOB_FILE)
+    if exists(fs, path):
+        prev = json.loads(read_bytes(fs, path))
+        if prev["fingerprint"] != fingerprint:
+            raise ExtractionError(
+                f"output.uri {cfg.output.uri} holds a partial extraction with another configuration, target "
+                f"or source (job {prev['fingerprint']}, this job {fingerprint}); use a new output.uri or delete it"
+            )
+        return
+    atomic_write_bytes(fs, path, json.dumps({"fingerprint": fingerprint, "extraction": json.loads(extraction_json(cfg))}).encode())
+
+
+def run_extract(cfg: ExtractConfig, progress: bool = True) -> DatasetManifest:
+    t0 = time.perf_counter()
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    for p in cfg.capture:
+        p.validate_for(identity.num_layers)
+    log.info("target %s", identity.describe())
+    fs, root = resolve(cfg.output.uri, cfg.s3)
+    scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
+    fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256)
+    if exists(fs, join(root, MANIFEST_NAME)):
+        m = load_manifest(cfg.output.uri, cfg.s3)
+        if m.dataset_id.endswith(fingerprint):
+            log.info("dataset %s is already complete: nothing to do", m.dataset_id)
+            return m
+        raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
+    _check_job_file(fs, root, fingerprint, cfg)
+
+    schema, provs = build_schema(cfg, identity)
+    units = layout.plan_units(len(scan.rows), cfg.output.rows_per_shard)
+    done = _committed(fs, root)
+    pending = [u for u in units if u.unit not in done]
+    log.info(
+        "source %s: %d rows in %d units; %d already committed, %d to extract",
+        cfg.source.uri, len(scan.rows), len(units), len(done), len(pending),
+    )
+    if pending:
+        payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]} for u in pending]
+        for rec in _run_pipeline(cfg, schema, payload, progress):
+            done[rec.unit] = rec
+    done = _committed(fs, root)
+    missing = [u.unit for u in units if u.unit not in done]
+    if missing:
+        raise ExtractionError(f"units {missing[:10]} were not committed; re-run the job to resume")
+
+    shards = [done[u.unit] for u in units]
+    quarantine = b"".join(read_bytes(fs, join(root, s.quarantine_path)) for s in shards if s.quarantine_path)
+    atomic_write_bytes(fs, join(root, layout.QUARANTINE_FILE), quarantine)
+    manifest = DatasetManifest(
+        dataset_id=f"{identity.model_name}-{fingerprint}",
+        target=identity,
+        capture_points=cfg.capture,
+        columns=provs,
+        extraction=json.loads(extraction_json(cfg)),
+        software=software_versions(),
+        source=SourceInfo(uri=cfg.source.uri, sha256=scan.sha256, rows=len(scan.rows), format=scan.format),
+        shards=shards,
+        totals=Totals(
+            input_rows=len(scan.rows), rows=sum(s.rows for s in shards), quarantined=sum(s.quarantined for s in shards),
+            tokens=sum(s.tokens for s in shards), loss_tokens=sum(s.loss_tokens for s in shards),
+            bytes=sum(s.bytes for s in shards), shards=sum(1 for s in shards if s.path),
+        ),
+        quarantine_path=layout.QUARANTINE_FILE,
+    )
+    manifest.reconcile()
+    atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())
+    _cleanup_tmp(fs, root)
+    t = manifest.totals
+    dt = time.perf_counter() - t0
+    log.info(
+        "extracted %s: input rows %d = written %d + quarantined %d; %d shards, %d tokens, %.1f MB, %.0f tok/s (%.1fs)",
+        manifest.dataset_id, t.input_rows, t.rows, t.quarantined, t.shards, t.tokens, t.bytes / 1e6, t.tokens / dt, dt,
+    )
+    return manifest
+
+
+def _cleanup_tmp(fs, root: str) -> None:
+    import pyarrow.fs as pafs
+
+    if isinstance(fs, pafs.LocalFileSystem) and exists(fs, join(root, "_tmp")):
+        fs.delete_dir(join(root, "_tmp"))
+
+
+def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
+    import ray
+
+    from pipeline.cluster import init_ray
+
+    init_ray(cfg.ray.address)
+    cfg_json = cfg.model_dump_json()
+
+    def tokenize(item: dict) -> dict:
+        c = ExtractConfig.model_validate_json(cfg_json)
+        tu = tokenize_unit(c, int(item["unit"]), int(item["start"]), list(item["rows"]))
+        return {"unit": tu.unit, "tokenized": tu.to_json()}
+
+    ds = ray.data.from_items(payload, override_num_blocks=len(payload))
+    ds = ds.map(tokenize, num_cpus=cfg.ray.cpus_per_tokenize_task)
+    ds = ds.map_batches(
+        CaptureActor,
+        fn_constructor_kwargs={"cfg_json": cfg_json, "schema": schema},
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=cfg.ray.num_actors),
+        num_cpus=cfg.ray.cpus_per_actor,
+        num_gpus=cfg.ray.gpus_per_actor or None,
+    )
+    bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
+    tokens = 0
+    for row in ds.iter_rows():
+        rec = ShardRecord.model_validate_json(row["record"])
+        tokens += rec.tokens
+        bar.update(1)
+        bar.set_postfix(tokens=tokens, quarantined=rec.quarantined)
+        yield rec
+    bar.close()
+
+
+class CaptureActor:
+    """Ray Data actor: loads the engine once, then commits one unit per call."""
+
+    def __init__(self, cfg_json: str, schema: pa.Schema):
+        from pipeline.engines.hf import HFEngine
+
+        cfg = ExtractConfig.model_validate_json(cfg_json)
+        e = cfg.engine
+        engine = HFEngine(cfg.target.path, cfg.capture, e.dtype, e.device, e.attn_implementation, e.batch_tokens)
+        self.writer = UnitWriter(cfg, schema, engine)
+
+    def __call__(self, batch: dict) -> dict:
+        records = []
+        for data in batch["tokenized"]:
+            rec = self.writer.process(TokenizedUnit.from_json(bytes(data)))
+            records.append(rec.model_dump_json())
+        return {"record": records}

@@ -1,0 +1,157 @@
+"""The two steps of extraction, without Ray: tokenize a unit, then capture and write it.
+
+``jobs/extract.py`` runs these inside Ray Data (tasks for tokenizing, an actor pool
+hosting the engine); tests and benchmarks call them directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from pipeline.data.chat import ChatEncoder
+from pipeline.data.conversations import BadRow, parse_row
+from pipeline.extract import layout
+from pipeline.store.fs import atomic_write_bytes, join, resolve
+from pipeline.store.writer import CapturedBatch, SampleMeta, ShardWriter
+from schemas.config import ExtractConfig
+from schemas.manifest import ShardRecord
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenizedUnit:
+    unit: int
+    start: int
+    end: int
+    samples: list[SampleMeta] = field(default_factory=list)
+    quarantine: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "unit": self.unit, "start": self.start, "end": self.end,
+            "samples": [s.__dict__ for s in self.samples], "quarantine": self.quarantine,
+        }).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> TokenizedUnit:
+        d = json.loads(data)
+        return cls(d["unit"], d["start"], d["end"], [SampleMeta(**s) for s in d["samples"]], d["quarantine"])
+
+
+@lru_cache(maxsize=4)
+def _encoder(model_dir: str, max_length: int, policy: str) -> ChatEncoder:
+    return ChatEncoder(model_dir, max_length, policy)
+
+
+def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) -> TokenizedUnit:
+    """Parse, template and tokenize rows; every failure becomes a quarantine record."""
+    enc = _encoder(cfg.target.path, cfg.max_length, cfg.length_policy)
+    out = TokenizedUnit(unit, start, start + len(rows))
+    for offset, data in enumerate(rows):
+        row = start + offset
+        try:
+            conv = parse_row(data)
+            e = enc.encode(conv.messages)
+        except BadRow as err:
+            out.quarantine.append({
+                "source_uri": cfg.source.uri, "source_row": row, "reason": str(err),
+                "line": data.decode("utf-8", errors="replace"),
+            })
+            continue
+        out.samples.append(SampleMeta(
+            sample_id=layout.sample_id(cfg.source.uri, row, conv.content_sha256),
+            source_uri=cfg.source.uri, source_row=row, content_sha256=conv.content_sha256,
+            input_ids=e.input_ids, loss_mask=e.loss_mask,
+        ))
+    return out
+
+
+class _Fault:
+    """Test-only crash injection: STRATA_FAULT_CRASH_IN_UNIT=N kills the process hard
+    after writing the first row group of unit N (temp file on disk, nothing committed)."""
+
+    unit = int(os.environ.get("STRATA_FAULT_CRASH_IN_UNIT", "-1"))
+
+    @staticmethod
+    def crash(unit: int) -> None:
+        log.error("fault injection: crashing in unit %d", unit)
+        os._exit(17)
+
+
+class UnitWriter:
+    """Hosts the engine; turns tokenized units into committed shards.
+
+    Capture of batch i+1 overlaps encoding and writing of batch i (a writer thread;
+    zstd and hashing release the GIL).
+    """
+
+    def __init__(self, cfg: ExtractConfig, schema, engine, compress_threads: int = 1):
+        self.cfg, self.schema, self.engine = cfg, schema, engine
+        self.fs, self.root = resolve(cfg.output.uri, cfg.s3)
+        self.compress_threads = compress_threads
+        self._local_tmp = join(self.root, "_tmp") if not cfg.output.uri.startswith("s3://") else None
+
+    def process(self, tu: TokenizedUnit) -> ShardRecord:
+        rec = ShardRecord(
+            unit=tu.unit, source_rows=(tu.start, tu.end), path=None, rows=len(tu.samples),
+            tokens=sum(len(s.input_ids) for s in tu.samples),
+            loss_tokens=sum(sum(s.loss_mask) for s in tu.samples),
+            quarantined=len(tu.quarantine), bytes=0, sha256=None,
+        )
+        if tu.samples:
+            nbytes, digest = self._write_shard(tu)
+            rec.path, rec.bytes, rec.sha256 = layout.shard_path(tu.unit), nbytes, digest
+        if tu.quarantine:
+            qp = layout.quarantine_path(tu.unit)
+            body = "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in tu.quarantine)
+            atomic_write_bytes(self.fs, join(self.root, qp), body.encode())
+            rec.quarantine_path = qp
+        # The unit record is the commit point: written last, atomically.
+        atomic_write_bytes(self.fs, join(self.root, layout.unit_record_path(tu.unit)), rec.model_dump_json().encode())
+        return rec
+
+    def _write_shard(self, tu: TokenizedUnit) -> tuple[int, str]:
+        writer = ShardWriter(
+            self.fs, join(self.root, layout.shard_path(tu.unit)), self.schema,
+            tmp_dir=self._local_tmp, compress_threads=self.compress_threads,
+        )
+        lengths = [len(s.input_ids) for s in tu.samples]
+        q: queue.Queue = queue.Queue(maxsize=2)
+        errors: list[BaseException] = []
+
+        def drain() -> None:
+            while (item := q.get()) is not None:
+                if errors:
+                    continue
+                try:
+                    writer.write(*item)
+                except BaseException as e:  # noqa: BLE001 - re-raised on the capture thread
+                    errors.append(e)
+
+        t = threading.Thread(target=drain, name=f"shard-writer-{tu.unit}", daemon=True)
+        t.start()
+        try:
+            for n, idx in enumerate(self.engine.plan_batches(lengths)):
+                metas = [tu.samples[i] for i in idx]
+                batch: CapturedBatch = self.engine.capture([m.input_ids for m in metas])
+                q.put((metas, batch))
+                if n == 0 and tu.unit == _Fault.unit:
+                    q.put(None)
+                    t.join()  # the first row group is on disk in the temp file
+                    _Fault.crash(tu.unit)
+                if errors:
+                    break
+        finally:
+            q.put(None)
+            t.join()
+        if errors:
+            writer.abort()
+            raise errors[0]
+        return writer.commit()

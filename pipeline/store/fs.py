@@ -1,0 +1,90 @@
+"""One filesystem abstraction (pyarrow.fs) for local paths and s3:// URIs.
+
+Credentials are never taken from configs: S3 uses AWS_ACCESS_KEY_ID /
+AWS_SECRET_ACCESS_KEY (or the usual AWS chain); the endpoint comes from the config or
+AWS_ENDPOINT_URL.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def s3_filesystem(endpoint_url: str | None = None, region: str = "us-east-1") -> pafs.S3FileSystem:
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    kwargs: dict = {"region": region}
+    if endpoint:
+        scheme, _, host = endpoint.partition("://")
+        kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        kwargs.update(
+            access_key=os.environ["AWS_ACCESS_KEY_ID"],
+            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+        )
+    return pafs.S3FileSystem(**kwargs)
+
+
+def resolve(uri: str, s3: object | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) for a local path or s3://bucket/key; ``s3`` is an S3Config."""
+    if is_s3(uri):
+        endpoint = getattr(s3, "endpoint_url", None)
+        region = getattr(s3, "region", "us-east-1")
+        return s3_filesystem(endpoint, region), uri.removeprefix("s3://").rstrip("/")
+    return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
+
+
+def join(base: str, *parts: str) -> str:
+    return posixpath.join(base, *parts)
+
+
+def exists(fs: pafs.FileSystem, path: str) -> bool:
+    return fs.get_file_info(path).type != pafs.FileType.NotFound
+
+
+def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return f.read()
+
+
+def atomic_write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
+    """Publish ``data`` at ``path`` all at once: readers see the old file or the new one.
+
+    Local: write a temporary sibling, fsync, rename. S3: a single PUT is already atomic.
+    """
+    if isinstance(fs, pafs.LocalFileSystem):
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def publish_local_file(local_tmp: str, fs: pafs.FileSystem, path: str) -> None:
+    """Move a finished local temp file to its final place (rename locally, upload to S3)."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.replace(local_tmp, path)
+        return
+    # An S3 multipart upload becomes visible only when it completes: atomic.
+    pafs.copy_files(local_tmp, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    os.remove(local_tmp)
+
+
+def list_files(fs: pafs.FileSystem, path: str) -> list[str]:
+    info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    return sorted(i.path for i in info if i.type == pafs.FileType.File)

@@ -1,0 +1,146 @@
+"""Read a hidden-state dataset: verify checksums, refuse mismatched provenance.
+
+Tensors are decoded to torch with one copy (the byte-plane join); raw planes are read
+straight from the Arrow buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.store.encoding import bits_to_torch, decompress_plane, join_planes
+from pipeline.store.fs import exists, join, read_bytes, resolve
+from schemas.capture import CapturePoint, parse_points
+from schemas.dataset import META_CODEC, provenances_from_schema
+from schemas.identity import TargetIdentity
+from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord
+from schemas.provenance import DTYPE_BYTES, TensorProvenance
+
+
+class ProvenanceMismatch(ValueError):
+    """The data is not what the caller expects (other target, other capture points)."""
+
+
+class ShardCorrupt(ValueError):
+    """A shard is missing or its bytes do not match the manifest's checksum."""
+
+
+@dataclass
+class Sample:
+    sample_id: str
+    input_ids: torch.Tensor          # [T] int64
+    loss_mask: torch.Tensor          # [T] bool
+    tensors: dict[str, torch.Tensor]  # capture point -> [T, H]
+
+
+def load_manifest(uri: str, s3: object | None = None) -> DatasetManifest:
+    fs, root = resolve(uri, s3)
+    path = join(root, MANIFEST_NAME)
+    if not exists(fs, path):
+        raise FileNotFoundError(
+            f"{uri}: no {MANIFEST_NAME}; the extraction did not finish (re-run it to resume) "
+            "or this is not a Strata dataset"
+        )
+    return DatasetManifest.model_validate_json(read_bytes(fs, path))
+
+
+class DatasetReader:
+    def __init__(
+        self,
+        uri: str,
+        s3: object | None = None,
+        expect_target: TargetIdentity | None = None,
+        expect_points: list[CapturePoint | str] | None = None,
+        verify_checksums: bool = True,
+    ):
+        self.uri = uri
+        self.fs, self.root = resolve(uri, s3)
+        self.manifest = load_manifest(uri, s3)
+        self.manifest.reconcile()
+        self.verify_checksums = verify_checksums
+        m = self.manifest
+        if expect_target is not None:
+            diff = expect_target.differences(m.target)
+            if diff:
+                raise ProvenanceMismatch(
+                    f"dataset {uri} was extracted from {m.target.describe()}, but the caller expects "
+                    f"{expect_target.describe()}; differs in: {'; '.join(diff)}"
+                )
+        have = [str(p) for p in m.capture_points]
+        if expect_points is not None:
+            want = [str(p) for p in parse_points(list(expect_points))]
+            missing = [p for p in want if p not in have]
+            if missing:
+                raise ProvenanceMismatch(
+                    f"dataset {uri} holds capture points {have}, but the caller expects {want} "
+                    f"({missing} missing)"
+                )
+            self.points = want
+        else:
+            self.points = have
+        self._prov = {str(p.capture_point): p for p in m.columns}
+
+    @property
+    def shards(self) -> list[ShardRecord]:
+        return [s for s in self.manifest.shards if s.path is not None]
+
+    def provenance(self, point: CapturePoint | str) -> TensorProvenance:
+        return self._prov[str(point)]
+
+    def read_shard(self, shard: ShardRecord) -> pa.Table:
+        """Read one shard, verifying its checksum and that its columns carry our provenance."""
+        path = join(self.root, shard.path)  # type: ignore[arg-type]
+        if not exists(self.fs, path):
+            raise ShardCorrupt(f"shard {shard.path} of {self.uri} is listed in the manifest but missing")
+        blob = read_bytes(self.fs, path)
+        if self.verify_checksums:
+            digest = hashlib.sha256(blob).hexdigest()
+            if len(blob) != shard.bytes or digest != shard.sha256:
+                raise ShardCorrupt(
+                    f"shard {shard.path} of {self.uri} is corrupt: {len(blob)} bytes sha256 {digest[:12]}, "
+                    f"manifest says {shard.bytes} bytes sha256 {str(shard.sha256)[:12]}"
+                )
+        columns = ["sample_id", "input_ids", "loss_mask", "num_tokens"]
+        for p in self.points:
+            columns += [f"{p}#b{k}" for k in range(DTYPE_BYTES[self._prov[p].dtype])]
+        pf = pq.ParquetFile(pa.BufferReader(blob))
+        for prov in provenances_from_schema(pf.schema_arrow):
+            if prov.target_key != self.manifest.target.key:
+                raise ProvenanceMismatch(
+                    f"shard {shard.path}: column {prov.capture_point} comes from target key {prov.target_key}, "
+                    f"the manifest says {self.manifest.target.key}"
+                )
+        return pf.read(columns=columns)
+
+    def decode(self, table: pa.Table, i: int, point: str) -> torch.Tensor:
+        """Tensor [T, H] of capture point ``point`` for row ``i`` of a shard table."""
+        prov = self._prov[point]
+        b, h = DTYPE_BYTES[prov.dtype], prov.hidden_size
+        t = table.column("num_tokens")[i].as_py()
+        planes = []
+        for k in range(b):
+            col = table.column(f"{point}#b{k}")
+            cell = col[i].as_buffer()
+            codec = table.schema.field(f"{point}#b{k}").metadata[META_CODEC]
+            data = decompress_plane(cell, t * h) if codec == b"zstd" else cell
+            planes.append(np.frombuffer(data, np.uint8).reshape(t, h))
+        return bits_to_torch(join_planes(planes), prov.dtype)
+
+    def iter_samples(self) -> Iterator[Sample]:
+        for shard in self.shards:
+            table = self.read_shard(shard)
+            ids, masks = table.column("input_ids"), table.column("loss_mask")
+            for i in range(table.num_rows):
+                yield Sample(
+                    sample_id=table.column("sample_id")[i].as_py(),
+                    input_ids=torch.from_numpy(ids[i].values.to_numpy().astype(np.int64)),
+                    loss_mask=torch.from_numpy(masks[i].values.to_numpy().astype(bool)),
+                    tensors={p: self.decode(table, i, p) for p in self.points},
+                )

@@ -1,0 +1,131 @@
+"""Job configurations (the YAML files users write), with errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from schemas.capture import CapturePoint, parse_points
+from schemas.provenance import DType
+
+
+class ConfigError(ValueError):
+    """A configuration file that cannot be used; the message names the file and field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TargetConfig(_Strict):
+    path: str = Field(description="local HF-format model directory (no downloads)")
+    name: str | None = Field(None, description="display name; defaults to the directory name")
+    revision: str | None = None
+
+
+class SourceConfig(_Strict):
+    uri: str = Field(description="conversations file: JSONL or Parquet, local or s3://")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+
+
+class EngineConfig(_Strict):
+    name: Literal["hf"] = "hf"
+    dtype: DType = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    batch_tokens: int = Field(16384, gt=0, description="padded tokens per forward batch")
+    tp_size: int = Field(1, ge=1)
+
+
+class OutputConfig(_Strict):
+    uri: str = Field(description="dataset directory: local path or s3://bucket/prefix")
+    rows_per_shard: int = Field(64, gt=0, description="source rows per unit; each unit is one shard")
+    dataset_id: str | None = None
+
+
+class S3Config(_Strict):
+    """Endpoint settings; credentials come only from the environment (never written)."""
+
+    endpoint_url: str | None = None
+    region: str = "us-east-1"
+
+
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
+    num_actors: int = Field(1, ge=1)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(0, ge=0)
+    cpus_per_tokenize_task: float = Field(0.25, gt=0)
+
+
+class ExtractConfig(_Strict):
+    target: TargetConfig
+    source: SourceConfig
+    output: OutputConfig
+    capture: list[CapturePoint] = Field(
+        default_factory=lambda: [
+            CapturePoint.layer_output(1),
+            CapturePoint.layer_output(2),
+            CapturePoint.layer_output(3),
+            CapturePoint.final("post"),
+        ],
+        description="typed capture points, e.g. ['layer_output:1', 'final:post_norm']",
+    )
+    max_length: int = Field(2048, gt=1)
+    length_policy: Literal["truncate", "drop"] = "truncate"
+    engine: EngineConfig = EngineConfig()
+    ray: RayConfig = RayConfig()
+    s3: S3Config = S3Config()
+
+    @field_validator("capture", mode="before")
+    @classmethod
+    def _parse_capture(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty list of capture points")
+        return parse_points(v)
+
+    @field_validator("capture")
+    @classmethod
+    def _unique(cls, v: list[CapturePoint]) -> list[CapturePoint]:
+        seen = [str(p) for p in v]
+        dup = {s for s in seen if seen.count(s) > 1}
+        if dup:
+            raise ValueError(f"capture point listed twice: {sorted(dup)}")
+        return v
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def format_validation_error(err: ValidationError, where: str) -> str:
+    lines = [f"{where}: invalid configuration"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        got = e.get("input")
+        got_s = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+        lines.append(f"  {loc}: {e['msg']}{got_s}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path, model: type[M]) -> M:
+    """Read a YAML config and validate it; relative paths stay as written."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a mapping at the top level, got {type(raw).__name__}")
+    return validate_config(raw, model, where=str(p))
+
+
+def validate_config(raw: dict, model: type[M], where: str = "config") -> M:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, where)) from None

@@ -1,0 +1,86 @@
+"""Dataset manifest: written last; a dataset without one is not a dataset."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.capture import CapturePoint
+from schemas.identity import TargetIdentity
+from schemas.provenance import TensorProvenance
+
+MANIFEST_NAME = "manifest.json"
+
+
+class SourceInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str
+    sha256: str
+    rows: int
+    format: str
+
+
+class ShardRecord(BaseModel):
+    """One committed work unit: its source rows, and the shard file if any row survived."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    unit: int
+    source_rows: tuple[int, int]         # [start, end) of source row indices
+    path: str | None                     # relative to the dataset root; None if no rows
+    rows: int
+    tokens: int
+    loss_tokens: int
+    quarantined: int
+    bytes: int
+    sha256: str | None
+    quarantine_path: str | None = None
+
+
+class Totals(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_rows: int
+    rows: int
+    quarantined: int
+    tokens: int
+    loss_tokens: int
+    bytes: int
+    shards: int
+
+
+class DatasetManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = 1
+    dataset_id: str
+    created_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat())
+    target: TargetIdentity
+    capture_points: list[CapturePoint]
+    columns: list[TensorProvenance]
+    extraction: dict
+    software: dict[str, str]
+    source: SourceInfo
+    shards: list[ShardRecord]
+    totals: Totals
+    quarantine_path: str | None = None
+
+    def reconcile(self) -> None:
+        """Raise unless every input row is either written or quarantined, exactly once."""
+        rows = sum(s.rows for s in self.shards)
+        quar = sum(s.quarantined for s in self.shards)
+        covered = sorted(s.source_rows for s in self.shards)
+        pos = 0
+        for a, b in covered:
+            if a != pos:
+                raise ValueError(f"manifest {self.dataset_id}: source rows {pos}..{a} are not covered by any shard (or covered twice)")
+            pos = b
+        if pos != self.source.rows:
+            raise ValueError(f"manifest {self.dataset_id}: shards cover {pos} source rows, source has {self.source.rows}")
+        if rows + quar != self.source.rows or rows != self.totals.rows or quar != self.totals.quarantined:
+            raise ValueError(
+                f"manifest {self.dataset_id}: counts do not reconcile: input {self.source.rows} != "
+                f"written {rows} + quarantined {quar}"
+            )
