@@ -44,12 +44,20 @@ def cmd_extract(args: argparse.Namespace) -> int:
     from pipeline.extract.job import run_extract
     from schemas.config import ExtractConfig, load_config
 
-    cfg = load_config(args.config, ExtractConfig)
+    if args.config:
+        cfg = load_config(args.config, ExtractConfig)
+    else:
+        from pipeline.demo import DEMO_ROOT, ensure_demo
+
+        path = ensure_demo(DEMO_ROOT)
+        print(f"no --config: using the embedded default {path}")
+        cfg = load_config(path, ExtractConfig)
     m = run_extract(cfg, progress=not args.no_progress)
     t = m.totals
     print(
         f"dataset {m.dataset_id} at {cfg.output.uri}: input rows {t.input_rows} = written {t.rows} + "
-        f"quarantined {t.quarantined}; {t.shards} shards, {t.tokens} tokens, {t.bytes / 1e6:.1f} MB"
+        f"quarantined {t.quarantined}; {t.shards} shards, {t.tokens} tokens, {t.bytes / 1e6:.1f} MB\n"
+        f"inspect it with: strata inspect {cfg.output.uri}"
     )
     return 0
 
@@ -104,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_make_conversations)
 
     s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
-    s.add_argument("--config", required=True)
+    s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_extract)
 

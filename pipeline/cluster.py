@@ -10,6 +10,10 @@ log = logging.getLogger(__name__)
 
 def init_ray(address: str | None = None) -> None:
     """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray."""
+    # No telemetry: clusters here reach no outside network, and Ray Data's usage
+    # collector otherwise polls a Prometheus on localhost:9090 and logs tracebacks.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
     import ray
 
     if ray.is_initialized():

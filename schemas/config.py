@@ -85,7 +85,13 @@ class ExtractConfig(_Strict):
     def _parse_capture(cls, v: Any) -> Any:
         if not isinstance(v, list) or not v:
             raise ValueError("must be a non-empty list of capture points")
-        return parse_points(v)
+        out = []
+        for i, item in enumerate(v):
+            try:
+                out.extend(parse_points([item]))
+            except ValueError as e:
+                raise ValueError(f"item {i}: {e}") from None
+        return out
 
     @field_validator("capture")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import time
 
@@ -31,6 +32,9 @@ from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord, Source
 from schemas.provenance import TensorProvenance
 
 log = logging.getLogger(__name__)
+
+# Test-only fault injection: the driver dies hard (like a lost head node) after N units.
+_CRASH_AFTER_UNITS = int(os.environ.get("STRATA_FAULT_CRASH_AFTER_UNITS", "0"))
 
 
 class ExtractionError(RuntimeError):
@@ -94,7 +98,12 @@ def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None
     atomic_write_bytes(fs, path, json.dumps({"fingerprint": fingerprint, "extraction": json.loads(extraction_json(cfg))}).encode())
 
 
-def run_extract(cfg: ExtractConfig, progress: bool = True) -> DatasetManifest:
+def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True) -> DatasetManifest:
+    """Extract ``cfg.source`` into ``cfg.output``; resumes a crashed run of the same job.
+
+    ``use_ray=False`` runs the same steps in this process (tests, and benchmarks on a GPU
+    box without Ray).
+    """
     t0 = time.perf_counter()
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     for p in cfg.capture:
@@ -121,7 +130,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> DatasetManifest:
     )
     if pending:
         payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]} for u in pending]
-        for rec in _run_pipeline(cfg, schema, payload, progress):
+        run = _run_pipeline if use_ray else _run_in_process
+        for rec in run(cfg, schema, payload, progress):
             done[rec.unit] = rec
     done = _committed(fs, root)
     missing = [u.unit for u in units if u.unit not in done]
@@ -191,13 +201,23 @@ def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], pr
     )
     bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
     tokens = 0
-    for row in ds.iter_rows():
+    for n, row in enumerate(ds.iter_rows(), start=1):
         rec = ShardRecord.model_validate_json(row["record"])
         tokens += rec.tokens
         bar.update(1)
         bar.set_postfix(tokens=tokens, quarantined=rec.quarantined)
         yield rec
+        if n == _CRASH_AFTER_UNITS:
+            log.error("fault injection: the driver dies after %d committed units", n)
+            os._exit(17)
     bar.close()
+
+
+def _run_in_process(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
+    actor = CaptureActor(cfg.model_dump_json(), schema)
+    for item in tqdm(payload, desc="extract", unit="shard", disable=not progress):
+        tu = tokenize_unit(cfg, item["unit"], item["start"], item["rows"])
+        yield actor.writer.process(tu)
 
 
 class CaptureActor:

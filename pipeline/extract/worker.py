@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -73,18 +72,6 @@ def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) 
     return out
 
 
-class _Fault:
-    """Test-only crash injection: STRATA_FAULT_CRASH_IN_UNIT=N kills the process hard
-    after writing the first row group of unit N (temp file on disk, nothing committed)."""
-
-    unit = int(os.environ.get("STRATA_FAULT_CRASH_IN_UNIT", "-1"))
-
-    @staticmethod
-    def crash(unit: int) -> None:
-        log.error("fault injection: crashing in unit %d", unit)
-        os._exit(17)
-
-
 class UnitWriter:
     """Hosts the engine; turns tokenized units into committed shards.
 
@@ -138,14 +125,10 @@ class UnitWriter:
         t = threading.Thread(target=drain, name=f"shard-writer-{tu.unit}", daemon=True)
         t.start()
         try:
-            for n, idx in enumerate(self.engine.plan_batches(lengths)):
+            for idx in self.engine.plan_batches(lengths):
                 metas = [tu.samples[i] for i in idx]
                 batch: CapturedBatch = self.engine.capture([m.input_ids for m in metas])
                 q.put((metas, batch))
-                if n == 0 and tu.unit == _Fault.unit:
-                    q.put(None)
-                    t.join()  # the first row group is on disk in the temp file
-                    _Fault.crash(tu.unit)
                 if errors:
                     break
         finally:

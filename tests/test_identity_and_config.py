@@ -1,0 +1,63 @@
+import os
+import shutil
+
+import pytest
+
+from pipeline.identity import file_sha256, target_identity
+from schemas.config import ConfigError, ExtractConfig, load_config
+
+
+def test_identity_digests_and_key(tiny_target, tmp_path):
+    a = target_identity(tiny_target)
+    assert a.num_layers == 6 and a.hidden_size == 64 and a.architecture == "LlamaForCausalLM"
+    assert [w.name for w in a.weights] == ["model.safetensors"]
+    assert a.chat_template_sha256 and a.tokenizer_sha256 and a.config_sha256
+    copy = shutil.copytree(tiny_target, tmp_path / "copy")
+    b = target_identity(copy, name="renamed")
+    assert a.key == b.key and a.differences(b) == []           # content decides, not path or name
+    (copy / "chat_template.jinja").write_text("{{ messages }}")
+    c = target_identity(copy)
+    assert c.key != a.key and [d.split(":")[0] for d in a.differences(c)] == ["chat_template"]
+
+
+def test_weight_digest_is_cached_by_path_size_mtime(tmp_path):
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(b"a" * 1000)
+    st = f.stat()
+    d1 = file_sha256(f)
+    f.write_bytes(b"b" * 1000)                      # same size...
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ...same mtime: served from the cache
+    assert file_sha256(f) == d1
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert file_sha256(f) != d1                     # changed mtime: hashed again
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        target_identity(tmp_path)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "extract.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_config_errors_name_the_field(tmp_path):
+    base = "target: {path: /m}\nsource: {uri: c.jsonl}\noutput: {uri: /o}\n"
+    with pytest.raises(ConfigError, match=r"engine\.dtype: .*'fp8'"):
+        load_config(write(tmp_path, base + "engine: {dtype: fp8}\n"), ExtractConfig)
+    with pytest.raises(ConfigError, match=r"capture: .*item 0: unknown capture point 'layer3'"):
+        load_config(write(tmp_path, base + "capture: [layer3]\n"), ExtractConfig)
+    with pytest.raises(ConfigError, match=r"capture: .*listed twice"):
+        load_config(write(tmp_path, base + "capture: [embedding, embedding]\n"), ExtractConfig)
+    with pytest.raises(ConfigError, match=r"output\.rows_per_shard"):
+        load_config(write(tmp_path, base.replace("{uri: /o}", "{uri: /o, rows_per_shard: 0}")), ExtractConfig)
+    with pytest.raises(ConfigError, match=r"target: Field required"):
+        load_config(write(tmp_path, "source: {uri: c.jsonl}\noutput: {uri: /o}\n"), ExtractConfig)
+    with pytest.raises(ConfigError, match=r"typo_key: Extra inputs are not permitted"):
+        load_config(write(tmp_path, base + "typo_key: 1\n"), ExtractConfig)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", ExtractConfig)
+    cfg = load_config(write(tmp_path, base + "capture: [embedding, 'layer_output:3', 'final:post_norm']\n"), ExtractConfig)
+    assert [str(p) for p in cfg.capture] == ["embedding", "layer_output:3", "final:post_norm"]
