@@ -61,3 +61,13 @@ def test_config_errors_name_the_field(tmp_path):
         load_config(tmp_path / "nope.yaml", ExtractConfig)
     cfg = load_config(write(tmp_path, base + "capture: [embedding, 'layer_output:3', 'final:post_norm']\n"), ExtractConfig)
     assert [str(p) for p in cfg.capture] == ["embedding", "layer_output:3", "final:post_norm"]
+
+
+def test_tiny_target_is_deterministic(tiny_target, tmp_path):
+    from pipeline.tiny import make_tiny_target
+
+    again = make_tiny_target(tmp_path / "again", num_layers=6, hidden_size=64)
+    a, b = target_identity(tiny_target), target_identity(again)
+    assert a.key == b.key and a.weights_sha256 == b.weights_sha256 and a.tokenizer_sha256 == b.tokenizer_sha256
+    other = target_identity(make_tiny_target(tmp_path / "seed1", num_layers=6, hidden_size=64, seed=1))
+    assert other.weights_sha256 != a.weights_sha256 and other.tokenizer_sha256 == a.tokenizer_sha256

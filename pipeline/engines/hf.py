@@ -64,13 +64,18 @@ class HFEngine:
         self.dtype = dtype
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         self.batch_tokens = batch_tokens
+        # A target larger than one GPU is split layer-wise over the actor's GPUs.
+        multi_gpu = self.device.type == "cuda" and torch.cuda.device_count() > 1
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
             dtype=TORCH_DTYPES[dtype],
             attn_implementation=attn_implementation,
             local_files_only=True,
+            device_map="auto" if multi_gpu else None,
         )
-        model.eval().to(self.device)
+        model.eval()
+        if not multi_gpu:
+            model.to(self.device)
         self.model = model
         self.base, self.layers, self.norm = _decoder_parts(model)
         self.num_layers = len(self.layers)
@@ -136,10 +141,12 @@ class HFEngine:
         valid = mask.bool()
         on_gpu = self.device.type == "cuda"
         planes: dict[str, torch.Tensor] = {}
+        devices = set()
         for p in self.points:
             key = str(p)
             t = self._captured.pop(key)
-            packed = t[valid].to(TORCH_DTYPES[self.dtype])          # [sum T, H], batch order
+            devices.add(t.device)
+            packed = t[valid.to(t.device)].to(TORCH_DTYPES[self.dtype])  # [sum T, H], batch order
             dev_planes = split_planes(packed)                       # [B, sum T, H] uint8
             if on_gpu:
                 host = torch.empty(dev_planes.shape, dtype=torch.uint8, pin_memory=True)
@@ -148,7 +155,8 @@ class HFEngine:
             else:
                 planes[key] = dev_planes
         if on_gpu:
-            torch.cuda.current_stream().synchronize()  # one sync per batch, not per layer
+            for d in devices:  # one sync per batch (per GPU the model spans), not per layer
+                torch.cuda.current_stream(d).synchronize()
         self._captured.clear()
         return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()})
 
