@@ -62,6 +62,38 @@ def cmd_extract(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    from pipeline.train.trainer import run_train
+    from schemas.config import TrainConfig, load_config
+
+    cfg = load_config(args.config, TrainConfig)
+    out = run_train(cfg, use_ray=not args.no_ray)
+    m = out["metrics"]
+    ev = m.get("eval") or {}
+    print(f"trained {m['steps']} steps; eval acc per position {[round(a, 3) for a in ev.get('acc_per_pos', [])]}, "
+          f"simulated acceptance length {ev.get('sim_accept_len', float('nan')):.3f}")
+    for e in out["exports"]:
+        print(f"exported {e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}), "
+              f"digest {e['content_digest'][:16]}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pipeline.draft.export import ExportError
+    from pipeline.train.trainer import export_run
+
+    try:
+        out = export_run(args.run, engines=args.engine or None, dest_uri=args.out, sglang_family=args.sglang_family,
+                         dtype=args.dtype)
+    except ExportError as e:
+        print(f"strata: cannot export: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    for e in out:
+        print(f"{e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}) "
+              f"for {[c['kind'] + (':' + str(c['layer']) if c['layer'] is not None else '') for c in e['aux_capture_points']]}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from pipeline.store.reader import load_manifest
 
@@ -115,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(func=cmd_extract)
+
+    s = sub.add_parser("train", help="train an EAGLE-3 draft with DeepSpeed on Ray Train, then export it")
+    s.add_argument("--config", required=True)
+    s.add_argument("--no-ray", action="store_true", help="one worker in this process (no Ray)")
+    s.set_defaults(func=cmd_train)
+
+    s = sub.add_parser("export", help="export a training run's latest checkpoint for SGLang and/or vLLM")
+    s.add_argument("run", help="training run directory (the train config's output)")
+    s.add_argument("--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config")
+    s.add_argument("--out", help="destination (default: <run>/export)")
+    s.add_argument("--sglang-family", choices=["auto", "llama", "deepseek_v2", "gpt_oss"], default=None)
+    s.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None)
+    s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
     s.add_argument("dataset")

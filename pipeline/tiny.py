@@ -128,13 +128,11 @@ def make_tiny_target(
         pad_token_id=tok.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
-    # Random init has tiny residual updates; larger weights make layers distinguishable.
+    model = LlamaForCausalLM(cfg)  # HF's own init (normal, std initializer_range), seeded
+    # With std-0.02 weights every next-token distribution is nearly uniform; a trained LM's
+    # is peaked. Logits of std ~4 give the target confident, learnable predictions.
     with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed)
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 / p.shape[1] ** 0.5))
+        model.lm_head.weight.normal_(0.0, 4.0 / hidden_size**0.5)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     log.info("tiny target: %d layers, hidden %d, vocab %d -> %s", num_layers, hidden_size, len(tok), out)

@@ -135,3 +135,54 @@ def validate_config(raw: dict, model: type[M], where: str = "config") -> M:
         return model.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, where)) from None
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(0.5, gt=0)
+
+
+class DeepSpeedConfig(_Strict):
+    zero_stage: Literal[1, 2, 3] = 2
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+class ExportConfig(_Strict):
+    engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
+    sglang_family: str = Field("auto", description="SGLang capture rule; auto = from the target's model_type")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+
+
+class TrainConfig(_Strict):
+    dataset: str = Field(description="extracted dataset URI (local or s3://)")
+    target: TargetConfig
+    output: str = Field(description="run directory: checkpoints, metrics.jsonl, exported drafts")
+    aux: list[CapturePoint] | None = Field(None, description="aux slots; default: every residual point of the dataset")
+    draft_vocab_size: int = Field(32000, gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    loss_decay: float = Field(0.8, gt=0, le=1)
+    batch_tokens: int = Field(4096, gt=0, description="padded tokens per worker per step")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    eval_fraction: float = Field(0.05, ge=0, lt=1)
+    metrics_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    resume: Literal["latest", "none"] = "latest"
+    seed: int = 0
+    optim: OptimConfig = OptimConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    ray_address: str | None = None
+    export: ExportConfig = ExportConfig()
+    s3: S3Config = S3Config()
+
+    @field_validator("aux", mode="before")
+    @classmethod
+    def _parse_aux(cls, v: Any) -> Any:
+        return None if v is None else parse_points(v)

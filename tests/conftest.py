@@ -62,6 +62,20 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no block of free ports found")
 
 
+def stop_group(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM the process group a fixture started; SIGKILL it if it lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -133,11 +147,7 @@ def s3_server(tmp_path_factory):
             else:
                 os.environ[k] = v
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, 15)
         log.close()
         for sock in Path("/tmp").glob("seaweedfs-*.sock"):
             if any(str(p) in sock.name for p in range(base, base + 8)) or str(port) in sock.name:
@@ -164,14 +174,10 @@ def ray_cluster(tmp_path_factory):
     )
     up = wait_port(dash, 120, proc) and wait_port(gcs, 5, proc)
     try:
-        require("Ray head node", up, log.name)
+        require("Ray head node", up, Path(log.name).read_text(errors="replace")[-3000:])
         yield {"address": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "env": env}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc, 30)
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

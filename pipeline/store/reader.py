@@ -111,13 +111,37 @@ class DatasetReader:
         for p in self.points:
             columns += [f"{p}#b{k}" for k in range(DTYPE_BYTES[self._prov[p].dtype])]
         pf = pq.ParquetFile(pa.BufferReader(blob))
-        for prov in provenances_from_schema(pf.schema_arrow):
+        self._check_shard_provenance(shard.path, provenances_from_schema(pf.schema_arrow))
+        return pf.read(columns=columns)
+
+    def _check_shard_provenance(self, path: str, provs: list[TensorProvenance]) -> None:
+        """Every shard must carry exactly the manifest's columns: no mixed capture points."""
+        for prov in provs:
             if prov.target_key != self.manifest.target.key:
                 raise ProvenanceMismatch(
-                    f"shard {shard.path}: column {prov.capture_point} comes from target key {prov.target_key}, "
+                    f"shard {path}: column {prov.capture_point} comes from target key {prov.target_key}, "
                     f"the manifest says {self.manifest.target.key}"
                 )
-        return pf.read(columns=columns)
+        got = {str(p.capture_point): p for p in provs}
+        want = {str(p.capture_point): p for p in self.manifest.columns}
+        if got != want:
+            raise ProvenanceMismatch(
+                f"shard {path} holds capture points {sorted(got)} with their provenance, the manifest says "
+                f"{sorted(want)}: the dataset mixes capture points (or provenance); re-extract it"
+            )
+
+    def verify_all(self) -> None:
+        """Check every shard's existence and checksum up front (raises ShardCorrupt naming it)."""
+        for shard in self.shards:
+            self.read_shard(shard)
+
+    def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:
+        """One row group, without re-hashing the shard (call verify_all first)."""
+        cols = columns or ["sample_id", "input_ids", "loss_mask", "num_tokens"] + [
+            f"{p}#b{k}" for p in self.points for k in range(DTYPE_BYTES[self._prov[p].dtype])
+        ]
+        with self.fs.open_input_file(join(self.root, shard_path)) as f:
+            return pq.ParquetFile(f).read_row_group(row_group, columns=cols)
 
     def decode(self, table: pa.Table, i: int, point: str) -> torch.Tensor:
         """Tensor [T, H] of capture point ``point`` for row ``i`` of a shard table."""

@@ -1,0 +1,141 @@
+"""Export a trained draft as a self-contained directory for SGLang or vLLM.
+
+The aux layer ids in config.json are generated here from the dataset's typed capture
+points through ``pipeline.conventions`` -- never typed by hand -- and a layout the engine
+cannot capture is refused instead of written (the engine would silently use defaults).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import conventions
+from pipeline.draft.model import DraftConfig, Eagle3Draft
+from pipeline.draft.target_head import load_embedding
+from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.capture import CapturePoint
+from schemas.identity import TargetIdentity
+
+WEIGHTS = "model.safetensors"
+
+
+class ExportError(ValueError):
+    pass
+
+
+def draft_state_dict(model: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """Everything but the frozen target embedding, contiguous, on CPU."""
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+
+
+def engine_config(
+    cfg: DraftConfig, aux_points: list[CapturePoint], num_layers: int, engine: str, family: str, dtype: str,
+) -> dict:
+    """config.json for ``engine`` with the aux ids that make it capture exactly ``aux_points``."""
+    try:
+        ids = conventions.aux_ids_for(aux_points, engine, num_layers, family)  # type: ignore[arg-type]
+    except conventions.ConventionError as e:
+        raise ExportError(f"cannot export for {engine} ({family}): {e}") from None
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.target_hidden_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": dtype,
+    }
+    if engine == "sglang":
+        out["eagle_config"] = {conventions.AUX_KEY: ids, "use_aux_hidden_state": True}
+    else:
+        out[conventions.AUX_KEY] = ids
+    return out
+
+
+def content_digest(directory: Path) -> str:
+    h = hashlib.sha256()
+    for name in (WEIGHTS, "config.json"):
+        h.update(name.encode() + b"\0" + hashlib.sha256((directory / name).read_bytes()).digest())
+    return h.hexdigest()
+
+
+def export_draft(
+    model: Eagle3Draft,
+    out_dir: str | Path,
+    engine: str,
+    aux_points: list[CapturePoint],
+    target: TargetIdentity,
+    family: str = "llama",
+    dtype: str = "bfloat16",
+    dataset_id: str | None = None,
+    dataset_manifest_sha256: str | None = None,
+    training: dict | None = None,
+    metrics: dict | None = None,
+) -> DraftArtifactManifest:
+    """Write ``out_dir`` atomically (a temp sibling renamed into place)."""
+    if engine not in ("sglang", "vllm"):
+        raise ExportError(f"unknown serving engine {engine!r}: expected sglang or vllm")
+    n = target.num_layers
+    ordered = sorted(aux_points, key=lambda p: p.sort_key(n))
+    if ordered != list(aux_points):
+        raise ExportError(f"aux capture points must be in ascending order, got {[str(p) for p in aux_points]}")
+    if len(aux_points) != model.config.num_aux:
+        raise ExportError(f"the draft reads {model.config.num_aux} aux slots, got {len(aux_points)} capture points")
+    cfg_json = engine_config(model.config, aux_points, n, engine, family, dtype)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model).items()}
+        save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=1))
+        manifest = DraftArtifactManifest(
+            content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
+            engine_family=family if engine == "sglang" else None,
+            aux_capture_points=list(aux_points),
+            aux_layer_ids=cfg_json.get(conventions.AUX_KEY) or cfg_json["eagle_config"][conventions.AUX_KEY],
+            aux_layer_ids_convention=conventions.native_id_convention(engine, family),  # type: ignore[arg-type]
+            target=target, dataset_id=dataset_id, dataset_manifest_sha256=dataset_manifest_sha256,
+            draft_config=model.config.to_dict(), training=training or {}, metrics=metrics or {},
+        )
+        (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def load_draft(directory: str | Path, target_dir: str | Path | None = None, dtype=torch.float32) -> Eagle3Draft:
+    """Load an exported draft back into the reference model (embedding from the target)."""
+    d = Path(directory)
+    manifest = DraftArtifactManifest.model_validate_json((d / ARTIFACT_MANIFEST).read_text())
+    model = Eagle3Draft(DraftConfig(**manifest.draft_config))
+    sd = load_file(str(d / WEIGHTS))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if unexpected or set(missing) != {"embed_tokens.weight"}:
+        raise ExportError(f"{d}: weights do not match the draft: missing {missing}, unexpected {unexpected}")
+    if target_dir is not None:
+        model.embed_tokens.weight.data.copy_(load_embedding(target_dir))
+    return model.to(dtype)

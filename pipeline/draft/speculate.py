@@ -1,0 +1,132 @@
+"""Reference speculative decoding: greedy chain speculation of k draft tokens against an
+HF target. Lossless by construction (every emitted token is the target's greedy choice);
+returns per-position acceptance so real engines can be measured against it.
+
+Deliberately simple: the target recomputes the whole sequence at every verify step (no KV
+cache), which is fine for the small targets it is used with in tests and validation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.draft.model import Eagle3Draft, shift
+from schemas.capture import CapturePoint
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]                     # generated tokens (excluding the prompt)
+    k: int
+    verify_steps: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # times draft position j was accepted
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_pos)
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        """Fraction of verify steps in which draft position j was accepted (vLLM's definition)."""
+        return [a / max(self.verify_steps, 1) for a in self.accepted_per_pos]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step: accepted draft tokens + the target's own token."""
+        return 1.0 + self.accepted_tokens / max(self.verify_steps, 1)
+
+
+class TargetRunner:
+    """An HF causal LM with hooks on the draft's aux capture points."""
+
+    def __init__(self, model, aux_points: list[CapturePoint]):
+        self.model = model.eval()
+        base = model.model
+        n = len(base.layers)
+        self._store: dict[int, torch.Tensor] = {}
+        self.slots = []
+        for i, p in enumerate(aux_points):
+            k = p.boundary(n)
+            if k is None or k == 0:
+                raise ValueError(f"reference speculation needs residual-stream aux points after layer 0, got {p}")
+            base.layers[k - 1].register_forward_hook(self._hook(i))
+            self.slots.append(i)
+
+    def _hook(self, i: int):
+        def h(_m, _a, out):
+            self._store[i] = out[0] if isinstance(out, tuple) else out
+        return h
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy next token per position [L], concatenated aux states [1, L, A*H])."""
+        logits = self.model(input_ids=ids[None], use_cache=False).logits[0]
+        aux = torch.cat([self._store[i] for i in self.slots], dim=-1)
+        return logits.argmax(-1), aux
+
+
+@torch.no_grad()
+def draft_chain(draft: Eagle3Draft, aux: torch.Tensor, next_tokens: torch.Tensor, k: int) -> list[int]:
+    """k greedy draft tokens after the last position; next_tokens[s] = token s+1 (known)."""
+    T = next_tokens.shape[1]
+    h = draft.fc(aux.to(draft.fc.weight.dtype))
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    pos = torch.arange(T)
+    out: list[int] = []
+    tokens = next_tokens
+    for i in range(k):
+        h = draft.step(tokens, h, pos + i, ks, vs)
+        d = int(draft.logits(h[:, -1]).argmax(-1))
+        t = d + int(draft.d2t[d])
+        out.append(t)
+        tokens = shift(next_tokens, i + 1, fill=0)
+        tokens[:, -1] = t  # only the last position's chain matters from step 1 on
+    return out
+
+
+@torch.no_grad()
+def speculative_generate(
+    runner: TargetRunner, draft: Eagle3Draft, prompt: list[int], max_new_tokens: int, k: int,
+    eos_id: int | None = None,
+) -> SpecResult:
+    res = SpecResult(tokens=[], k=k, accepted_per_pos=[0] * k)
+    ids = torch.tensor(prompt, dtype=torch.long)
+    greedy, aux = runner(ids)
+    while len(res.tokens) < max_new_tokens:
+        nxt = int(greedy[-1])                     # the target's token: always correct
+        res.tokens.append(nxt)
+        ids = torch.cat([ids, torch.tensor([nxt])])
+        if nxt == eos_id or len(res.tokens) >= max_new_tokens:
+            break
+        proposal = draft_chain(draft, aux, ids[1:][None], k)
+        greedy_v, aux_v = runner(torch.cat([ids, torch.tensor(proposal)]))
+        res.verify_steps += 1
+        L = ids.numel()
+        accepted = 0
+        for j, tok in enumerate(proposal):
+            if int(greedy_v[L - 1 + j]) != tok or len(res.tokens) >= max_new_tokens:
+                break
+            res.accepted_per_pos[j] += 1
+            res.tokens.append(tok)
+            accepted += 1
+            if tok == eos_id:
+                return res
+        ids = torch.cat([ids, torch.tensor(proposal[:accepted], dtype=torch.long)])
+        greedy, aux = greedy_v[: ids.numel()], aux_v[:, : ids.numel()]
+    return res
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+    ids = torch.tensor(prompt, dtype=torch.long)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        nxt = int(model(input_ids=ids[None], use_cache=False).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([nxt])])
+        if nxt == eos_id:
+            break
+    return out

@@ -1,0 +1,231 @@
+"""Driver side of training: check the data, build the draft vocab and the plan, launch
+DeepSpeed workers with Ray Train, then export the draft for each serving engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import conventions
+from pipeline.draft.export import export_draft
+from pipeline.draft.model import DraftConfig, Eagle3Draft
+from pipeline.draft.target_head import load_embedding
+from pipeline.draft.vocab import build_draft_vocab, count_trained_tokens
+from pipeline.identity import target_identity
+from pipeline.store.fs import (
+    atomic_write_bytes,
+    exists,
+    join,
+    publish_local_file,
+    read_bytes,
+    resolve,
+)
+from pipeline.store.reader import DatasetReader, ProvenanceMismatch
+from pipeline.train import checkpoint
+from pipeline.train.data import index_samples, split_eval
+from pipeline.train.loop import RunPlan, train_worker
+from schemas.capture import CapturePoint
+from schemas.config import TrainConfig
+from schemas.manifest import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+
+
+def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[CapturePoint], CapturePoint, bool]:
+    """(aux slots in ascending order, the final point, whether it still needs the final norm)."""
+    n = reader.manifest.target.num_layers
+    have = list(reader.manifest.capture_points)
+    finals = [p for p in have if p.kind == "final"]
+    post = [p for p in finals if p.norm == "post"]
+    if post:
+        final, needs_norm = post[0], False
+    elif finals or any(p.boundary(n) == n for p in have):
+        final, needs_norm = next(p for p in have if p.boundary(n) == n), True
+    else:
+        raise ProvenanceMismatch(
+            f"dataset {reader.uri} has no final state (final:post_norm or final:pre_norm): the training targets "
+            f"come from the target's LM head on it; it holds {[str(p) for p in have]}"
+        )
+    if cfg.aux is not None:
+        aux = list(cfg.aux)
+        missing = [str(p) for p in aux if p not in have]
+        if missing:
+            raise ProvenanceMismatch(f"dataset {reader.uri} lacks the configured aux points {missing}; it holds {[str(p) for p in have]}")
+    else:
+        aux = [p for p in have if p.kind != "final" and p.boundary(n) != n]
+    if not aux:
+        raise ProvenanceMismatch(f"dataset {reader.uri} has no residual-stream points to train on")
+    ordered = sorted(aux, key=lambda p: p.sort_key(n))
+    return ordered, final, needs_norm
+
+
+def prepare(cfg: TrainConfig) -> RunPlan:
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    reader = DatasetReader(cfg.dataset, cfg.s3, expect_target=identity)
+    log.info("verifying %d shards of %s", len(reader.shards), reader.manifest.dataset_id)
+    reader.verify_all()  # missing shard, checksum failure, mixed provenance -> raises, naming the shard
+    aux, final, needs_norm = choose_points(reader, cfg)
+    reader.points = [str(p) for p in aux] + [str(final)]
+    target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
+    fs, root = resolve(cfg.output, cfg.s3)
+    counts = count_trained_tokens(((s.input_ids, s.loss_mask) for s in _id_samples(reader)), identity.vocab_size)
+    ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+    tmp = tempfile.mkdtemp(prefix="strata-vocab-")
+    save_file({"ids": ids, "d2t": d2t, "t2d": t2d}, os.path.join(tmp, "vocab.safetensors"))
+    publish_local_file(os.path.join(tmp, "vocab.safetensors"), fs, join(root, "vocab.safetensors"))
+    refs = index_samples(reader)
+    train, held = split_eval(refs, cfg.eval_fraction)
+    draft = DraftConfig.from_target(target_cfg, len(aux), cfg.draft_vocab_size)
+    resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
+    log.info(
+        "draft: %d aux slots %s, final %s%s; vocab %d of %d; %d train / %d eval samples; %s",
+        len(aux), [str(p) for p in aux], final, " (+target norm)" if needs_norm else "", ids.numel(),
+        identity.vocab_size, len(train), len(held), f"resuming from {resume}" if resume else "from scratch",
+    )
+    plan = RunPlan(
+        cfg=cfg.model_dump(mode="json"), draft=draft.to_dict(), aux=[str(p) for p in aux], final=str(final),
+        final_needs_norm=needs_norm, train_refs=[dataclasses.asdict(r) for r in train],
+        eval_refs=[dataclasses.asdict(r) for r in held], resume_from=resume,
+        extra={"dataset_id": reader.manifest.dataset_id, "target_key": identity.key,
+               "dataset_manifest_sha256": hashlib.sha256(read_bytes(reader.fs, join(reader.root, MANIFEST_NAME))).hexdigest()},
+    )
+    if os.environ.get("STRATA_FAULT_CRASH_AFTER_STEP"):
+        # Test-only fault injection, carried in the plan: Ray workers do not inherit the driver's env.
+        plan.extra["fault_crash_after_step"] = int(os.environ["STRATA_FAULT_CRASH_AFTER_STEP"])
+    run = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("train_refs", "eval_refs")}
+    atomic_write_bytes(fs, join(root, RUN_FILE), json.dumps(run, indent=1).encode())
+    return plan
+
+
+def _id_samples(reader: DatasetReader):
+    """input_ids + loss_mask of every sample, without decoding tensors."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    for shard in reader.shards:
+        with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
+            t = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True):
+            yield SimpleNamespace(input_ids=torch.tensor(ids), loss_mask=torch.tensor(np.array(mask, dtype=bool)))
+
+
+def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
+    plan = prepare(cfg)
+    plan.use_ray_data = use_ray
+    plan_json = json.dumps(dataclasses.asdict(plan))
+    if use_ray:
+        result = _fit_on_ray(cfg, plan_json)
+    else:
+        result = _fit_in_process(plan_json)
+    manifests = export_run(cfg.output, cfg.s3)
+    return {"metrics": result, "exports": manifests}
+
+
+def _fit_in_process(plan_json: str) -> dict:
+    """Single worker, no Ray (benchmarks on a GPU box without Ray)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    return train_worker(plan_json, 0, 1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_worker(config: dict) -> None:
+    import ray.train
+
+    ctx = ray.train.get_context()
+    train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
+
+
+def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from pipeline.cluster import init_ray
+
+    init_ray(cfg.ray_address)
+    storage = tempfile.mkdtemp(prefix="strata-raytrain-")
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={"plan_json": plan_json},
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=RunConfig(storage_path=storage, name="strata-train", failure_config=FailureConfig(max_failures=0)),
+    )
+    trainer.fit()
+    fs, root = resolve(cfg.output, cfg.s3)
+    return json.loads(read_bytes(fs, join(root, "final_metrics.json")))
+
+
+def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri: str | None = None,
+               sglang_family: str | None = None, dtype: str | None = None) -> list[dict]:
+    """Export the latest checkpoint of a training run for each serving engine.
+
+    Writes ``<dest>/<engine>/`` (default dest: ``<run>/export``); the aux ids come from the
+    run's capture points through the conventions module.
+    """
+    fs, root = resolve(run_uri, s3)
+    if not exists(fs, join(root, RUN_FILE)):
+        raise FileNotFoundError(f"{run_uri}: no {RUN_FILE}; is this a Strata training run directory?")
+    run = json.loads(read_bytes(fs, join(root, RUN_FILE)))
+    cfg = TrainConfig.model_validate(run["cfg"])
+    name = checkpoint.latest(run_uri, s3)
+    if name is None:
+        raise FileNotFoundError(f"{run_uri}: no checkpoint to export yet")
+    tmp = tempfile.mkdtemp(prefix="strata-export-")
+    local = os.path.join(tmp, "model.safetensors")
+    with open(local, "wb") as f:
+        f.write(read_bytes(fs, join(root, "checkpoints", name, "model.safetensors")))
+    model = Eagle3Draft(DraftConfig(**run["draft"]))
+    missing, unexpected = model.load_state_dict(load_file(local), strict=False)
+    if unexpected or set(missing) != {"embed_tokens.weight"}:
+        raise ValueError(f"checkpoint {name} does not match the run's draft: missing {missing}, unexpected {unexpected}")
+    model.embed_tokens.weight.data.copy_(load_embedding(cfg.target.path))
+    model = model.float()
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    metrics_path = join(root, "final_metrics.json")
+    metrics = json.loads(read_bytes(fs, metrics_path)) if exists(fs, metrics_path) else {}
+    target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
+    dfs, droot = resolve(dest_uri, s3) if dest_uri else (fs, join(root, "export"))
+    out = []
+    for engine in engines or cfg.export.engines:
+        family = sglang_family or cfg.export.sglang_family
+        if family == "auto":
+            family = conventions.sglang_family(target_cfg.get("model_type", "llama"))
+        dest = os.path.join(tmp, engine)
+        m = export_draft(
+            model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
+            dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
+            dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
+            training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
+        )
+        for fname in os.listdir(dest):
+            publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))
+        log.info("exported %s draft (aux ids %s, %s) to %s", engine, m.aux_layer_ids, m.aux_layer_ids_convention,
+                 join(droot, engine))
+        out.append(m.model_dump(mode="json"))
+    return out

@@ -1,0 +1,31 @@
+"""Draft artifact manifest: what a served draft was trained on, and how an engine must read it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from schemas.capture import CapturePoint
+from schemas.identity import TargetIdentity
+
+ARTIFACT_MANIFEST = "strata_artifact.json"
+
+
+class DraftArtifactManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = 1
+    content_digest: str                    # sha256 over weights + config.json of this directory
+    serving_engine: Literal["sglang", "vllm"]
+    engine_family: str | None = None       # SGLang capture rule family (llama, deepseek_v2, gpt_oss)
+    aux_capture_points: list[CapturePoint]  # slot order (ascending along the forward pass)
+    aux_layer_ids: list[int]               # what config.json carries, in this engine's convention
+    aux_layer_ids_convention: str
+    target: TargetIdentity
+    dataset_id: str | None = None
+    dataset_manifest_sha256: str | None = None
+    draft_config: dict
+    training: dict = {}
+    metrics: dict = {}
+    fingerprints: dict | None = None       # filled by validation (issue 4)

@@ -1,0 +1,138 @@
+"""The EAGLE-3 draft's math against naive references written as explicit loops."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.draft.model import (
+    DraftConfig,
+    Eagle3Draft,
+    TargetBatch,
+    init_weights,
+    rope,
+    shift,
+    simulated_acceptance_length,
+    ttt_attention,
+)
+from pipeline.draft.vocab import (
+    build_draft_vocab,
+    count_trained_tokens,
+    draft_to_target,
+    target_to_draft,
+)
+
+CFG = DraftConfig(hidden_size=32, target_hidden_size=24, num_aux=3, intermediate_size=64, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=20)
+
+
+def naive_attention(q, ks, vs):
+    """Position t of step i attends to step-0 keys 0..t and its own keys of steps 1..i."""
+    B, h, T, d = q.shape
+    out = torch.zeros_like(q)
+    for b in range(B):
+        for hh in range(h):
+            for t in range(T):
+                keys = [ks[0][b, hh, s] for s in range(t + 1)] + [k[b, hh, t] for k in ks[1:]]
+                vals = [vs[0][b, hh, s] for s in range(t + 1)] + [v[b, hh, t] for v in vs[1:]]
+                scores = torch.stack([q[b, hh, t] @ k / math.sqrt(d) for k in keys])
+                out[b, hh, t] = (scores.softmax(0)[:, None] * torch.stack(vals)).sum(0)
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 5, 17])
+@pytest.mark.parametrize("step", [0, 1, 3, 6])
+def test_ttt_attention_equals_naive_loop(T, step):
+    g = torch.Generator().manual_seed(T * 10 + step)
+    q = torch.randn(2, 3, T, 8, generator=g)
+    ks = [torch.randn(2, 3, T, 8, generator=g) for _ in range(step + 1)]
+    vs = [torch.randn(2, 3, T, 8, generator=g) for _ in range(step + 1)]
+    torch.testing.assert_close(ttt_attention(q, ks, vs), naive_attention(q, ks, vs), rtol=1e-5, atol=1e-5)
+
+
+def naive_unroll(m: Eagle3Draft, aux, ids, steps):
+    """The whole TTT unrolled one position at a time, with per-(step, position) key lists."""
+    c, mid = m.config, m.midlayer
+    B, T = ids.shape
+    h = m.fc(aux)
+    K, V = {}, {}
+    outs = []
+    for i in range(steps):
+        qs = {}
+        for t in range(T):
+            tok = ids[:, t + i + 1] if t + i + 1 < T else torch.zeros(B, dtype=torch.long)
+            x = torch.cat([mid.input_layernorm(m.embed_tokens(tok)), mid.hidden_norm(h[:, t])], -1)[:, None]
+            pos = torch.tensor([t + i])
+            q = rope(mid.self_attn.q_proj(x).view(B, 1, c.num_attention_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta)
+            k = rope(mid.self_attn.k_proj(x).view(B, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta)
+            v = mid.self_attn.v_proj(x).view(B, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+            rep = c.num_attention_heads // c.num_key_value_heads
+            qs[t], K[i, t], V[i, t] = q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        new_h = []
+        for t in range(T):
+            keys = [K[0, s] for s in range(t + 1)] + [K[j, t] for j in range(1, i + 1)]
+            vals = [V[0, s] for s in range(t + 1)] + [V[j, t] for j in range(1, i + 1)]
+            a = F.scaled_dot_product_attention(qs[t], torch.cat(keys, 2), torch.cat(vals, 2))
+            ht = h[:, t] + mid.self_attn.o_proj(a.transpose(1, 2).reshape(B, -1))
+            new_h.append(ht + mid.mlp(mid.post_attention_layernorm(ht)))
+        h = torch.stack(new_h, 1)
+        outs.append(h)
+    return outs
+
+
+@pytest.mark.parametrize("T", [4, 9])
+def test_draft_unroll_equals_position_by_position_reference(T):
+    torch.manual_seed(0)
+    m = Eagle3Draft(CFG)
+    init_weights(m, seed=1)
+    aux = torch.randn(2, T, CFG.num_aux * CFG.target_hidden_size)
+    ids = torch.randint(0, CFG.vocab_size, (2, T))
+    with torch.no_grad():
+        fast = list(m.unroll(aux, ids, 7))
+        slow = naive_unroll(m, aux, ids, 7)
+    for i, (a, b) in enumerate(zip(fast, slow, strict=True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"step {i}")
+
+
+def test_loss_masks_out_of_vocab_targets_and_counts_them_wrong():
+    torch.manual_seed(0)
+    m = Eagle3Draft(CFG)
+    init_weights(m)
+    ids, d2t, t2d = build_draft_vocab(torch.arange(CFG.vocab_size).flip(0), CFG.draft_vocab_size)
+    m.d2t.copy_(d2t)
+    m.t2d.copy_(t2d)
+    B, T = 1, 6
+    aux = torch.randn(B, T, CFG.num_aux * CFG.target_hidden_size)
+    tokens = torch.randint(0, CFG.vocab_size, (B, T))
+    p = torch.softmax(torch.randn(B, T, CFG.draft_vocab_size), -1)
+    greedy = torch.full((B, T), CFG.vocab_size - 1)            # never in the draft vocab (ids 0..19)
+    tb = TargetBatch(p_draft=p, greedy=greedy, in_draft_vocab=t2d[greedy], trained=torch.ones(B, T, dtype=torch.bool))
+    out = m(aux, tokens, tb, steps=2)
+    assert out.loss.item() == 0.0                              # all targets masked from the loss
+    assert out.correct.sum().item() == 0                       # ...and all counted wrong
+    assert out.counted.tolist() == [T - 2, T - 3]              # step i: positions whose token t+i+2 exists
+    tb.greedy = torch.zeros(B, T, dtype=torch.long)            # id 0 is in the draft vocab
+    tb.in_draft_vocab = t2d[tb.greedy]
+    out = m(aux, tokens, tb, steps=2)
+    assert out.loss.item() > 0
+    out.loss.backward()
+    assert m.fc.weight.grad is not None and m.embed_tokens.weight.grad is None
+
+
+def test_draft_vocab_round_trip():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
+    ids, d2t, t2d = build_draft_vocab(counts, 4)
+    assert ids.tolist() == [0, 2, 3, 5]                        # top-4 by count, sorted by id
+    assert d2t.tolist() == [0, 1, 1, 2]                        # target = draft + d2t[draft]
+    assert draft_to_target(torch.arange(4), d2t).tolist() == ids.tolist()
+    assert target_to_draft(ids, t2d).tolist() == [0, 1, 2, 3]
+    assert target_to_draft(torch.tensor([1, 7]), t2d).tolist() == [-1, -1]
+    c = count_trained_tokens([(torch.tensor([2, 2, 3]), torch.tensor([0, 1, 1]))], 8)
+    assert c.tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+
+
+def test_shift_and_acceptance_length():
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shift(x, 1, 0).tolist() == [[2, 3, 4, 0]] and shift(x, 5, -1).tolist() == [[-1] * 4]
+    assert simulated_acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(0.8 + 0.4 + 0.2)

@@ -1,0 +1,193 @@
+"""Draft training: DeepSpeed ZeRO-2 on Ray Train (2 CPU workers, gloo), resume after a
+crash, refusals, export, and speculative decoding with the trained draft."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from pipeline.draft.export import load_draft
+from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
+from pipeline.extract.job import run_extract
+from pipeline.store.reader import ProvenanceMismatch, ShardCorrupt
+from pipeline.train.trainer import prepare, run_train
+from schemas.capture import CapturePoint as C
+from schemas.config import ExtractConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+AUX = ["layer_output:1", "layer_output:2", "layer_output:3"]
+
+
+def extract(tiny_target, src, out, points=(*AUX, "final:post_norm"), n_rows=None):
+    cfg = ExtractConfig.model_validate({
+        "target": {"path": str(tiny_target)}, "source": {"uri": str(src)}, "output": {"uri": str(out), "rows_per_shard": 32},
+        "capture": list(points), "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"},
+    })
+    return run_extract(cfg, progress=False, use_ray=False)
+
+
+@pytest.fixture(scope="module")
+def dataset(tiny_target, tmp_path_factory):
+    from pipeline.tiny import write_conversations
+
+    root = tmp_path_factory.mktemp("train-data")
+    write_conversations(root / "conv.jsonl", n=160)
+    extract(tiny_target, root / "conv.jsonl", root / "ds")
+    return root / "ds"
+
+
+def train_cfg(tiny_target, dataset, out, **kw) -> dict:
+    cfg = {
+        "dataset": str(dataset), "target": {"path": str(tiny_target)}, "output": str(out),
+        # A random-weight target's greedy tokens are not the data's frequent tokens: keep them all.
+        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 8, "metrics_every": 4,
+        "checkpoint_every": 6, "eval_fraction": 0.1, "num_workers": 2, "cpus_per_worker": 0.5,
+        "optim": {"lr": 3e-3, "warmup_steps": 3}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+    }
+    for k, v in kw.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained(ray_connected, tiny_target, dataset, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "run"
+    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, out))
+    result = run_train(cfg)
+    return out, result
+
+
+@pytest.mark.ray
+def test_zero2_on_two_workers_trains_and_loss_falls(trained):
+    out, result = trained
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) >= 3 and lines[-1]["step"] == result["metrics"]["steps"]
+    assert lines[-1]["loss"] < 0.8 * lines[0]["loss"], [x["loss"] for x in lines]
+    for rec in lines:
+        assert len(rec["acc_per_pos"]) == 3 and 0 <= rec["data_wait_fraction"] < 1 and rec["tokens_per_s"] > 0
+    ev = result["metrics"]["eval"]
+    assert ev["acc_per_pos"][0] > 0.2 and ev["sim_accept_len"] > 0.2
+    assert (out / "checkpoints" / "latest.json").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())[0] == "step-000006"
+
+
+@pytest.mark.ray
+def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_target):
+    out, result = trained
+    sg = json.loads((out / "export" / "sglang" / "config.json").read_text())
+    vl = json.loads((out / "export" / "vllm" / "config.json").read_text())
+    # Dataset capture points o_1, o_2, o_3 = r_2, r_3, r_4 on a 6-layer target.
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert vl["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    manifest = json.loads((out / "export" / "vllm" / "strata_artifact.json").read_text())
+    assert manifest["aux_capture_points"] == [C.parse(p).model_dump() for p in AUX]
+    assert manifest["dataset_id"] and manifest["dataset_manifest_sha256"] and manifest["metrics"]["steps"] > 0
+    # Exported weights == the final checkpoint's weights, bit for bit (float32 export of a float32 run).
+    ck = load_file(str(out / "checkpoints" / json.loads((out / "checkpoints/latest.json").read_text())["checkpoint"] / "model.safetensors"))
+    draft = load_draft(out / "export" / "vllm", tiny_target)
+    for k, v in draft.state_dict().items():
+        if k in ck and v.is_floating_point():
+            assert torch.equal(v, ck[k].float().to(torch.bfloat16).float()), k  # export dtype is bf16
+
+    # Speculative decoding with the trained draft: lossless, and it accepts drafts.
+    draft = load_draft(out / "export" / "vllm", tiny_target, dtype=torch.float32)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    runner = TargetRunner(target, [C.parse(p) for p in AUX])
+    from pipeline.data.chat import ChatEncoder
+    from pipeline.tiny import make_conversations
+
+    enc = ChatEncoder(tiny_target, 512)
+    accepted, steps = 0, 0
+    for conv in make_conversations(6):
+        text = enc.render(conv["messages"][:1], add_generation_prompt=True)
+        prompt = enc.tokenizer(text, add_special_tokens=False)["input_ids"]
+        res = speculative_generate(runner, draft, prompt, 24, k=3)
+        assert res.tokens == greedy_generate(target, prompt, 24)
+        accepted += res.accepted_tokens
+        steps += res.verify_steps
+    mean_len = 1 + accepted / steps
+    print(f"reference speculative decoding with the trained draft: mean acceptance length {mean_len:.2f} (k=3)")
+    assert mean_len > 1.3
+
+
+def run_job(cfg: dict, tmp_path: Path, env_extra: dict, cluster: dict) -> subprocess.CompletedProcess:
+    p = tmp_path / f"train-{len(list(tmp_path.iterdir()))}.yaml"
+    p.write_text(json.dumps(cfg))
+    env = {**os.environ, **cluster["env"], "RAY_ADDRESS": cluster["address"], **env_extra}
+    return subprocess.run([sys.executable, "jobs/train.py", "--config", str(p)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.ray
+def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dataset, tmp_path):
+    kw = dict(epochs=2, max_steps=8, checkpoint_every=4, metrics_every=2, eval_fraction=0.0)  # 5 steps per epoch
+    straight = run_job(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, {}, ray_cluster)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path,
+                      {"STRATA_FAULT_CRASH_AFTER_STEP": "6"}, ray_cluster)
+    assert crashed.returncode != 0
+    assert json.loads((tmp_path / "b/checkpoints/latest.json").read_text())["step"] == 4
+    resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, {}, ray_cluster)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step-000004 at step 4" in resumed.stderr + resumed.stdout
+    a = json.loads((tmp_path / "a/final_metrics.json").read_text())
+    b = json.loads((tmp_path / "b/final_metrics.json").read_text())
+    assert a["steps"] == b["steps"] == 8
+    wa = load_file(str(tmp_path / "a/checkpoints/step-000008/model.safetensors"))
+    wb = load_file(str(tmp_path / "b/checkpoints/step-000008/model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
+    ma = [json.loads(x)["loss"] for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines()]
+    mb = [json.loads(x)["loss"] for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines()]
+    assert len(ma) == len(mb) == 4
+    assert mb == pytest.approx(ma, rel=1e-4)
+
+
+def test_refuses_other_target(tiny_target, dataset, tmp_path):
+    from pipeline.tiny import make_tiny_target
+
+    other = make_tiny_target(tmp_path / "other", num_layers=6, hidden_size=64, seed=7)
+    cfg = TrainConfig.model_validate({**train_cfg(tiny_target, dataset, tmp_path / "run"), "target": {"path": str(other)}})
+    with pytest.raises(ProvenanceMismatch, match="weights"):
+        prepare(cfg)
+
+
+def test_refuses_corrupted_shard_naming_it(tiny_target, dataset, tmp_path):
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset, ds)
+    shard = sorted((ds / "shards").glob("*.parquet"))[1]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardCorrupt, match=shard.name):
+        prepare(TrainConfig.model_validate(train_cfg(tiny_target, ds, tmp_path / "run")))
+
+
+def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp_path):
+    """A shard from an extraction with other capture points, swapped in with a fixed-up checksum."""
+    ds = tmp_path / "ds"
+    shutil.copytree(dataset, ds)
+    src = tmp_path / "conv.jsonl"
+    from pipeline.tiny import write_conversations
+
+    write_conversations(src, n=160)
+    other = extract(tiny_target, src, tmp_path / "other", points=("layer_output:0", "layer_output:2", "layer_output:4", "final:post_norm"))
+    victim = sorted((ds / "shards").glob("*.parquet"))[0]
+    shutil.copy(tmp_path / "other" / other.shards[0].path, victim)
+    m = json.loads((ds / "manifest.json").read_text())
+    import hashlib
+
+    blob = victim.read_bytes()
+    m["shards"][0].update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    (ds / "manifest.json").write_text(json.dumps(m))
+    assert pq.read_schema(victim).names != pq.read_schema(sorted((ds / "shards").glob("*.parquet"))[1]).names
+    with pytest.raises(ProvenanceMismatch, match=f"shard shards/{victim.name} .*mixes capture points"):
+        prepare(TrainConfig.model_validate(train_cfg(tiny_target, ds, tmp_path / "run")))
