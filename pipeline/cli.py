@@ -66,7 +66,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from pipeline.train.trainer import run_train
     from schemas.config import TrainConfig, load_config
 
-    cfg = load_config(args.config, TrainConfig)
+    if args.config:
+        cfg = load_config(args.config, TrainConfig)
+    else:
+        from pipeline.demo import DEMO_ROOT, ensure_demo
+
+        ensure_demo(DEMO_ROOT)
+        path = DEMO_ROOT.resolve() / "train.yaml"
+        print(f"no --config: using the embedded default {path}")
+        cfg = load_config(path, TrainConfig)
     out = run_train(cfg, use_ray=not args.no_ray)
     m = out["metrics"]
     ev = m.get("eval") or {}
@@ -149,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_extract)
 
     s = sub.add_parser("train", help="train an EAGLE-3 draft with DeepSpeed on Ray Train, then export it")
-    s.add_argument("--config", required=True)
+    s.add_argument("--config", help="training YAML; default: the embedded demo (after `strata extract`)")
     s.add_argument("--no-ray", action="store_true", help="one worker in this process (no Ray)")
     s.set_defaults(func=cmd_train)
 

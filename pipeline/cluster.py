@@ -24,7 +24,10 @@ def init_ray(address: str | None = None) -> None:
         ray.init(address=addr, log_to_driver=True)
     else:
         log.info("starting a local Ray runtime")
-        ray.init(address="local", include_dashboard=False, log_to_driver=True)
+        # Loopback only: a single-machine run has no reason to listen on the node's public IP.
+        # The dashboard serves the state API that Ray Train's cleanup polls.
+        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+                 _node_ip_address="127.0.0.1")
     from ray.data import DataContext
 
     ctx = DataContext.get_current()

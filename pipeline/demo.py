@@ -29,6 +29,26 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
     if not conv.exists():
         n = write_conversations(conv)
         log.info("wrote %d demo conversations to %s", n, conv)
+    train_path = root / "train.yaml"
+    if not train_path.exists():
+        train = {
+            "dataset": str(root / "dataset"),
+            "target": {"path": str(target), "name": "tiny-llama"},
+            "output": str(root / "run"),
+            # A random-weight target's greedy tokens are not the data's frequent tokens: keep the whole vocab.
+            "draft_vocab_size": 2048,
+            # CPU-sized: 4 TTT steps (the default is 7), small batches.
+            "ttt_steps": 4,
+            "batch_tokens": 2048,
+            "epochs": 2,
+            "metrics_every": 5,
+            "checkpoint_every": 20,
+            "optim": {"lr": 3.0e-3, "warmup_steps": 5},
+            "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+            "num_workers": 2,
+            "cpus_per_worker": 0.5,
+        }
+        train_path.write_text("# Strata training config (embedded default; edit freely)\n" + _yaml(train))
     if not cfg_path.exists():
         cfg = {
             "target": {"path": str(target), "name": "tiny-llama"},
@@ -39,7 +59,7 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "max_length": 512,
             # float32: CPUs without AVX512-BF16 run bf16 matmuls several times slower.
             "engine": {"name": "hf", "dtype": "float32", "device": "auto", "batch_tokens": 8192},
-            "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.25},
+            "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.5},
         }
         cfg_path.write_text("# Strata extraction config (embedded default; edit freely)\n" + _yaml(cfg))
     return cfg_path

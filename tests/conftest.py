@@ -25,6 +25,8 @@ IN_CI = os.environ.get("CI", "").lower() == "true"
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
+# Ray rewrites 127.0.0.1 to the node's routable IP when connecting; keep test traffic on loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("STRATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"strata-test-cache-{os.getpid()}"))
 
 

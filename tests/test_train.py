@@ -191,3 +191,53 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
     assert pq.read_schema(victim).names != pq.read_schema(sorted((ds / "shards").glob("*.parquet"))[1]).names
     with pytest.raises(ProvenanceMismatch, match=f"shard shards/{victim.name} .*mixes capture points"):
         prepare(TrainConfig.model_validate(train_cfg(tiny_target, ds, tmp_path / "run")))
+
+
+@pytest.mark.parametrize("stage, dtype", [(1, "bfloat16"), (3, "float32"), (3, "bfloat16")])
+def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset, tmp_path, stage, dtype):
+    """One in-process worker: every ZeRO stage and dtype trains, checkpoints and resumes."""
+    from pipeline.train import checkpoint
+
+    base = train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, epochs=1, max_steps=2, checkpoint_every=1,
+                     metrics_every=1, eval_fraction=0.0, deepspeed={"zero_stage": stage, "dtype": dtype})
+    first = run_train(TrainConfig.model_validate(base), use_ray=False)
+    assert first["metrics"]["steps"] == 2 and checkpoint.latest(str(tmp_path / "run"), None) == "step-000002"
+    w2 = load_file(str(tmp_path / "run/checkpoints/step-000002/model.safetensors"))
+    again = run_train(TrainConfig.model_validate({**base, "max_steps": 3}), use_ray=False)
+    assert again["metrics"]["steps"] == 3
+    w3 = load_file(str(tmp_path / "run/checkpoints/step-000003/model.safetensors"))
+    assert set(w2) == set(w3) and any(not torch.equal(w2[k], w3[k]) for k in w2 if w2[k].is_floating_point())
+    cfg = json.loads((tmp_path / "run/export/vllm/config.json").read_text())
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+
+
+@pytest.mark.s3
+def test_checkpoints_and_exports_go_to_s3(tiny_target, dataset, s3_server, tmp_path):
+    uri = f"s3://{s3_server['bucket']}/runs/tiny"
+    cfg = train_cfg(tiny_target, dataset, uri, num_workers=1, epochs=1, max_steps=2, checkpoint_every=1,
+                    eval_fraction=0.0, s3={"endpoint_url": s3_server["endpoint"]})
+    run_train(TrainConfig.model_validate(cfg), use_ray=False)
+    keys = {o["Key"] for o in s3_server["client"].list_objects_v2(Bucket=s3_server["bucket"], Prefix="runs/tiny/")["Contents"]}
+    for k in ("checkpoints/latest.json", "checkpoints/step-000002/model.safetensors", "checkpoints/step-000002/rank-0.safetensors",
+              "metrics.jsonl", "run.json", "export/sglang/config.json", "export/vllm/strata_artifact.json"):
+        assert f"runs/tiny/{k}" in keys, k
+    for k in keys:  # no credentials anywhere
+        body = s3_server["client"].get_object(Bucket=s3_server["bucket"], Key=k)["Body"].read()
+        assert b"strata-test-secret" not in body, k
+
+
+def test_strata_export_cli(tiny_target, dataset, tmp_path, capsys):
+    from pipeline.cli import main as strata
+
+    run = tmp_path / "run"
+    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, run, num_workers=1, epochs=1, max_steps=1,
+                                                   eval_fraction=0.0, export={"engines": ["vllm"]})), use_ray=False)
+    assert strata(["export", str(run), "--engine", "sglang", "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    assert "sglang: aux ids [1, 2, 3] (sglang_llama_aux_layer_id)" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "out/sglang/config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["torch_dtype"] == "float32"
+    # Other SGLang capture rules get their own ids for the same tensors.
+    assert strata(["export", str(run), "--engine", "sglang", "--sglang-family", "gpt_oss", "--out", str(tmp_path / "g")]) == 0
+    assert "sglang: aux ids [2, 3, 4] (sglang_gpt_oss_aux_layer_id)" in capsys.readouterr().out
+    assert strata(["export", str(tmp_path / "nowhere")]) == 2
+    assert "no run.json" in capsys.readouterr().err
