@@ -88,7 +88,6 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
         opt.step()
 
     plain_tps = run(plain_step)
-    del plain, opt
 
     if not torch.distributed.is_initialized():
         with socket.socket() as s:
