@@ -102,6 +102,61 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_BLOCKED = 3
+
+
+def _registry(args: argparse.Namespace):
+    import os
+
+    from pipeline.registry.registry import Registry
+    from pipeline.registry.store import open_store
+
+    uri = args.registry or os.environ.get("STRATA_REGISTRY") or "strata-registry"
+    return Registry(open_store(uri, os.environ.get("AWS_ENDPOINT_URL")))
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from pipeline.registry.registry import PromotionRefused
+
+    reg = _registry(args)
+    try:
+        ptr = reg.promote(args.artifact, args.channel)
+    except PromotionRefused as e:
+        print(f"promotion of {args.artifact[:16]} to {args.channel} refused:", file=sys.stderr)
+        for r in e.reasons:
+            print(f"  - {r}", file=sys.stderr)
+        return EXIT_BLOCKED
+    print(f"{args.channel} -> {ptr.artifact_digest} (record {ptr.record_id}; was {ptr.previous_digest})")
+    return 0
+
+
+def cmd_registry(args: argparse.Namespace) -> int:
+    reg = _registry(args)
+    if args.action == "add":
+        m = reg.add_artifact(args.target)
+        print(f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})")
+    elif args.action == "ls":
+        for d in reg.artifacts():
+            m = reg.artifact(d)
+            print(f"{d[:16]}  {m.serving_engine:<7} {m.target.model_name:<20} aux {m.aux_layer_ids}  dataset {m.dataset_id}")
+        for c in reg.channels():
+            ptr, _ = reg.pointer(c)
+            print(f"channel {c:<12} -> {ptr.artifact_digest[:16] if ptr else '(empty)'}")
+    elif args.action == "show":
+        m = reg.artifact(args.target)
+        if m is None:
+            print(f"strata: no artifact {args.target} in {reg.store.uri}", file=sys.stderr)
+            return EXIT_USAGE
+        print(m.model_dump_json(indent=1))
+        for r in reg.records(args.target):
+            print(f"record {r.record_id}: {r.decision} for serving {r.serving.key} ({r.serving.engine}) {r.reasons}")
+    else:
+        for e in reg.history(args.target):
+            print(f"{e.at}  {e.action:<14} {e.decision:<8} {e.channel or '-':<12} {(e.artifact_digest or '-')[:16]}  "
+                  f"{'; '.join(e.reasons)}  by {e.actor}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from pipeline.store.reader import load_manifest
 
@@ -168,6 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sglang-family", choices=["auto", "llama", "deepseek_v2", "gpt_oss"], default=None)
     s.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None)
     s.set_defaults(func=cmd_export)
+
+    s = sub.add_parser("promote", help="move a channel to an artifact (needs a passing validation record)")
+    s.add_argument("artifact", help="artifact content digest")
+    s.add_argument("--channel", required=True)
+    s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.set_defaults(func=cmd_promote)
+
+    s = sub.add_parser("registry", help="artifacts, channels and the audit log")
+    s.add_argument("action", choices=["add", "ls", "show", "history"])
+    s.add_argument("target", nargs="?", help="add: exported draft dir; show: digest; history: channel")
+    s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.set_defaults(func=cmd_registry)
 
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
     s.add_argument("dataset")

@@ -42,7 +42,7 @@ def write_config(tmp_path, tiny_target, source, out, address=None) -> Path:
         "output": {"uri": str(out), "rows_per_shard": 8},
         "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
         "max_length": 128, "engine": {"dtype": "float32", "device": "cpu"},
-        "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.25, "address": address},
+        "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.5, "address": address},
     }
     p = tmp_path / "extract.yaml"
     p.write_text(json.dumps(cfg))  # JSON is YAML

@@ -77,7 +77,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     reader.points = [str(p) for p in aux] + [str(final)]
     target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
     fs, root = resolve(cfg.output, cfg.s3)
-    counts = count_trained_tokens(((s.input_ids, s.loss_mask) for s in _id_samples(reader)), identity.vocab_size)
+    counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
     ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
     tmp = tempfile.mkdtemp(prefix="strata-vocab-")
     save_file({"ids": ids, "d2t": d2t, "t2d": t2d}, os.path.join(tmp, "vocab.safetensors"))
@@ -106,18 +106,16 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     return plan
 
 
-def _id_samples(reader: DatasetReader):
-    """input_ids + loss_mask of every sample, without decoding tensors."""
-    from types import SimpleNamespace
-
-    import numpy as np
+def _token_masks(reader: DatasetReader):
+    """(input_ids, loss_mask) of every sample, without decoding hidden states."""
     import pyarrow.parquet as pq
 
     for shard in reader.shards:
         with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
             t = pq.read_table(f, columns=["input_ids", "loss_mask"])
-        for ids, mask in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), strict=True):
-            yield SimpleNamespace(input_ids=torch.tensor(ids), loss_mask=torch.tensor(np.array(mask, dtype=bool)))
+        for ids, mask in zip(t["input_ids"], t["loss_mask"], strict=True):
+            yield (torch.from_numpy(ids.values.to_numpy().astype("int64")),
+                   torch.from_numpy(mask.values.to_numpy().astype(bool)))
 
 
 def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:

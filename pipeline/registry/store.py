@@ -1,0 +1,130 @@
+"""Object stores with conditional writes: a local directory, or S3 through boto3.
+
+``put(key, data, if_match=etag)`` succeeds only if the object still has that ETag;
+``put(key, data, if_none_match=True)`` only if it does not exist. Anything else raises
+PreconditionFailed, so two writers can never both win a race.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import uuid
+from pathlib import Path
+from typing import Protocol
+
+
+class PreconditionFailed(RuntimeError):
+    """The object changed (or appeared) since it was read."""
+
+
+class ObjectStore(Protocol):
+    uri: str
+
+    def get(self, key: str) -> tuple[bytes, str] | None: ...
+    def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str: ...
+    def list(self, prefix: str) -> list[str]: ...
+
+
+class LocalStore:
+    """A directory; conditional writes are serialised with a per-key flock."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).expanduser().resolve()
+        self.uri = str(self.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        p = (self.root / key).resolve()
+        if self.root not in p.parents:
+            raise ValueError(f"registry key {key!r} escapes the registry root")
+        return p
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        p = self._path(key)
+        try:
+            data = p.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        lock = p.parent / f".{p.name}.lock"
+        with open(lock, "a+") as lf:
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            cur = self.get(key)
+            if if_none_match and cur is not None:
+                raise PreconditionFailed(f"{key} already exists")
+            if if_match is not None and (cur is None or cur[1] != if_match):
+                raise PreconditionFailed(f"{key} changed since it was read")
+            tmp = p.parent / f".{p.name}.tmp-{uuid.uuid4().hex[:8]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        return hashlib.sha256(data).hexdigest()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix
+        if not base.exists():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
+class S3Store:
+    """s3://bucket/prefix through boto3; S3 conditional writes (If-Match / If-None-Match)."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None, region: str = "us-east-1"):
+        import boto3
+
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
+        # Credentials only from the environment / AWS chain; never stored anywhere.
+        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"), region_name=region)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def get(self, key: str) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as e:
+            if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        return r["Body"].read(), r["ETag"]
+
+    def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
+        from botocore.exceptions import ClientError
+
+        kw: dict = {}
+        if if_match is not None:
+            kw["IfMatch"] = if_match
+        if if_none_match:
+            kw["IfNoneMatch"] = "*"
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **kw)
+        except ClientError as e:
+            code = e.response["Error"]["Code"]
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise PreconditionFailed(f"{key}: {code}") from None
+            raise
+        return r["ETag"]
+
+    def list(self, prefix: str) -> list[str]:
+        out = []
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+            out += [o["Key"][strip:] for o in page.get("Contents", [])]
+        return sorted(out)
+
+
+def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
+    return S3Store(uri, endpoint_url) if uri.startswith("s3://") else LocalStore(uri)

@@ -1,0 +1,163 @@
+"""Registry on local disk and on a real S3 server: conditional channel updates, records
+bound to artifact digest and serving configuration, append-only audit."""
+
+import threading
+import uuid
+
+import pytest
+
+from pipeline.draft.export import export_draft
+from pipeline.draft.model import DraftConfig, Eagle3Draft, init_weights
+from pipeline.registry.registry import PromotionRefused, Registry
+from pipeline.registry.store import LocalStore, S3Store
+from schemas.capture import CapturePoint as C
+from schemas.identity import TargetIdentity
+from schemas.registry import ServingConfig, ValidationRecord
+
+TARGET = TargetIdentity(model_name="fake", model_path="/nowhere", architecture="LlamaForCausalLM", num_layers=6,
+                        hidden_size=16, vocab_size=40, weights=[], weights_sha256="w", config_sha256="c", tokenizer=[],
+                        tokenizer_sha256="t", chat_template_sha256="x")
+SERVING = ServingConfig(engine="vllm", engine_version="0.32.0", dtype="bfloat16", draft_config_sha256="cfg",
+                        target_key=TARGET.key)
+
+
+def artifact(tmp_path, seed: int):
+    cfg = DraftConfig(hidden_size=16, target_hidden_size=16, num_aux=3, intermediate_size=32, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8, vocab_size=40, draft_vocab_size=20)
+    m = Eagle3Draft(cfg)
+    init_weights(m, seed=seed)
+    d = tmp_path / f"draft-{seed}"
+    return d, export_draft(m, d, "vllm", [C.layer_output(1), C.layer_output(2), C.layer_output(3)], TARGET).content_digest
+
+
+def record(digest, serving=SERVING, decision="pass", reasons=()):
+    return ValidationRecord(record_id=uuid.uuid4().hex[:12], artifact_digest=digest, serving=serving,
+                            decision=decision, reasons=list(reasons))
+
+
+@pytest.fixture(params=["local", "s3"])
+def registry(request, tmp_path):
+    if request.param == "local":
+        return Registry(LocalStore(tmp_path / "registry"))
+    s3 = request.getfixturevalue("s3_server")
+    return Registry(S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", s3["endpoint"]))
+
+
+def test_promotion_requires_a_passing_record_for_the_channel_serving_config(registry, tmp_path):
+    d, digest = artifact(tmp_path, 1)
+    registry.add_artifact(d)
+    registry.create_channel("production", SERVING)
+    with pytest.raises(PromotionRefused, match="no validation record"):
+        registry.promote(digest, "production")
+    other = SERVING.model_copy(update={"dtype": "float32"})
+    registry.add_record(record(digest, serving=other))               # passing, but for another serving config
+    with pytest.raises(PromotionRefused, match=f"records exist for \\['{other.key}'\\]"):
+        registry.promote(digest, "production")
+    registry.add_record(record(digest, decision="block", reasons=["slot 0 carries o_2, trained on o_1"]))
+    with pytest.raises(PromotionRefused, match="blocked it: slot 0 carries o_2"):
+        registry.promote(digest, "production")
+    d2, digest2 = artifact(tmp_path, 2)
+    registry.add_artifact(d2)
+    registry.add_record(record(digest2))                             # a pass for ANOTHER artifact
+    with pytest.raises(PromotionRefused):
+        registry.promote(digest, "production")
+    assert registry.pointer("production")[0] is None
+    ptr = registry.promote(digest2, "production")
+    assert ptr.artifact_digest == digest2 and registry.pointer("production")[0].artifact_digest == digest2
+    hist = registry.history("production")
+    assert [(e.decision, e.artifact_digest[:8]) for e in hist if e.action == "promote"] == [
+        ("refused", digest[:8]), ("refused", digest[:8]), ("refused", digest[:8]), ("refused", digest[:8]),
+        ("accepted", digest2[:8])]
+
+
+def test_concurrent_promotions_have_exactly_one_winner(registry, tmp_path, monkeypatch):
+    n = 6
+    registry.create_channel("production", SERVING)
+    digests = []
+    for i in range(n):
+        d, digest = artifact(tmp_path, 10 + i)
+        registry.add_artifact(d)
+        registry.add_record(record(digest))
+        digests.append(digest)
+    # Every promoter reads the channel before any of them writes: a true race.
+    barrier = threading.Barrier(n)
+    real_pointer = registry.pointer
+
+    def racing_pointer(channel):
+        got = real_pointer(channel)
+        barrier.wait(timeout=30)
+        return got
+
+    monkeypatch.setattr(registry, "pointer", racing_pointer)
+    results: dict[str, str] = {}
+
+    def go(digest):
+        try:
+            registry.promote(digest, "production")
+            results[digest] = "won"
+        except PromotionRefused as e:
+            results[digest] = str(e)
+
+    threads = [threading.Thread(target=go, args=(d,)) for d in digests]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    monkeypatch.setattr(registry, "pointer", real_pointer)
+    winners = [d for d, r in results.items() if r == "won"]
+    assert len(results) == n and len(winners) == 1
+    assert all("updated concurrently" in r for d, r in results.items() if d not in winners)
+    assert registry.pointer("production")[0].artifact_digest == winners[0]
+    promos = [e for e in registry.history("production") if e.action == "promote"]
+    assert sorted(e.decision for e in promos) == ["accepted"] + ["refused"] * (n - 1)
+    assert [e.artifact_digest for e in promos if e.decision == "accepted"] == winners
+
+
+def test_artifacts_are_content_addressed_and_checked(registry, tmp_path):
+    d, digest = artifact(tmp_path, 3)
+    assert registry.add_artifact(d).content_digest == digest
+    assert registry.add_artifact(d).content_digest == digest          # idempotent
+    assert registry.artifacts() == [digest]
+    blob = bytearray((d / "model.safetensors").read_bytes())
+    blob[-5] ^= 0xFF
+    (d / "model.safetensors").write_bytes(bytes(blob))
+    with pytest.raises(ValueError, match="does not match its manifest"):
+        registry.add_artifact(d)
+    with pytest.raises(ValueError, match="another serving configuration"):
+        registry.create_channel("staging", SERVING)
+        registry.create_channel("staging", SERVING.model_copy(update={"tp_size": 2}))
+    with pytest.raises(ValueError, match="add it before"):
+        registry.add_record(record("0" * 64))
+
+
+@pytest.mark.s3
+def test_no_credentials_in_registry_objects(s3_server, tmp_path):
+    reg = Registry(S3Store(f"s3://{s3_server['bucket']}/registry-creds", s3_server["endpoint"]))
+    d, digest = artifact(tmp_path, 4)
+    reg.add_artifact(d)
+    reg.create_channel("production", SERVING)
+    reg.add_record(record(digest))
+    reg.promote(digest, "production")
+    c = s3_server["client"]
+    for o in c.list_objects_v2(Bucket=s3_server["bucket"], Prefix="registry-creds/")["Contents"]:
+        body = c.get_object(Bucket=s3_server["bucket"], Key=o["Key"])["Body"].read()
+        assert b"strata-test-secret" not in body and b"strata-test" not in body.replace(b"strata-test-secret", b""), o["Key"]
+
+
+def test_promote_cli_exit_codes(tmp_path, capsys):
+    from pipeline.cli import main as strata
+
+    reg_dir = tmp_path / "reg"
+    reg = Registry(LocalStore(reg_dir))
+    d, digest = artifact(tmp_path, 5)
+    assert strata(["registry", "add", str(d), "--registry", str(reg_dir)]) == 0
+    reg.create_channel("production", SERVING)
+    assert strata(["promote", digest, "--channel", "production", "--registry", str(reg_dir)]) == 3
+    assert "no validation record" in capsys.readouterr().err
+    reg.add_record(record(digest))
+    assert strata(["promote", digest, "--channel", "production", "--registry", str(reg_dir)]) == 0
+    assert strata(["registry", "history", "production", "--registry", str(reg_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "refused" in out and "accepted" in out
+    assert strata(["registry", "ls", "--registry", str(reg_dir)]) == 0
+    assert f"channel production   -> {digest[:16]}" in capsys.readouterr().out
