@@ -61,6 +61,12 @@ class RayConfig(_Strict):
     cpus_per_tokenize_task: float = Field(0.25, gt=0)
 
 
+class FingerprintConfig(_Strict):
+    probe_samples: int = Field(16, ge=0, description="samples fingerprinted for validation (0: none)")
+    dim: int = Field(64, ge=8, description="random-projection width per token")
+    seed: int = 0
+
+
 class ExtractConfig(_Strict):
     target: TargetConfig
     source: SourceConfig
@@ -77,6 +83,7 @@ class ExtractConfig(_Strict):
     max_length: int = Field(2048, gt=1)
     length_policy: Literal["truncate", "drop"] = "truncate"
     engine: EngineConfig = EngineConfig()
+    fingerprint: FingerprintConfig = FingerprintConfig()
     ray: RayConfig = RayConfig()
     s3: S3Config = S3Config()
 

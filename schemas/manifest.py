@@ -66,6 +66,7 @@ class DatasetManifest(BaseModel):
     shards: list[ShardRecord]
     totals: Totals
     quarantine_path: str | None = None
+    fingerprints: dict | None = None   # {"path", "sha256", "probe_samples", "dim", "seed"}
 
     def reconcile(self) -> None:
         """Raise unless every input row is either written or quarantined, exactly once."""

@@ -241,3 +241,17 @@ def test_strata_export_cli(tiny_target, dataset, tmp_path, capsys):
     assert "sglang: aux ids [2, 3, 4] (sglang_gpt_oss_aux_layer_id)" in capsys.readouterr().out
     assert strata(["export", str(tmp_path / "nowhere")]) == 2
     assert "no run.json" in capsys.readouterr().err
+
+
+def test_exported_artifact_carries_the_dataset_fingerprints(tiny_target, dataset, tmp_path):
+    from pipeline import fingerprint as fpm
+    from pipeline.store.reader import load_manifest
+
+    run = tmp_path / "run"
+    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, run, num_workers=1, epochs=1, max_steps=1,
+                                                   eval_fraction=0.0)), use_ray=False)
+    ds_fp = load_manifest(str(dataset)).fingerprints
+    art = json.loads((run / "export/sglang/strata_artifact.json").read_text())
+    assert art["fingerprints"]["sha256"] == ds_fp["sha256"] and art["fingerprints"]["probe_samples"] == 16
+    fp = fpm.Fingerprints.load(str(run / "export/sglang"))
+    assert fp.points == [*AUX, "final:post_norm"] and len(fp.sample_ids) == 16

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from pipeline import conventions
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
+from pipeline.fingerprint import FINGERPRINTS_FILE
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
@@ -89,8 +90,13 @@ def export_draft(
     dataset_manifest_sha256: str | None = None,
     training: dict | None = None,
     metrics: dict | None = None,
+    fingerprints: tuple[bytes, dict] | None = None,
 ) -> DraftArtifactManifest:
-    """Write ``out_dir`` atomically (a temp sibling renamed into place)."""
+    """Write ``out_dir`` atomically (a temp sibling renamed into place).
+
+    ``fingerprints`` = (the dataset's fingerprints file, its manifest entry): copied in, so
+    the draft can be validated after its training data is gone.
+    """
     if engine not in ("sglang", "vllm"):
         raise ExportError(f"unknown serving engine {engine!r}: expected sglang or vllm")
     n = target.num_layers
@@ -108,6 +114,13 @@ def export_draft(
         sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model).items()}
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=1))
+        fp_meta = None
+        if fingerprints is not None:
+            blob, meta = fingerprints
+            if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+                raise ExportError("the dataset's fingerprints file does not match its manifest digest")
+            (tmp / FINGERPRINTS_FILE).write_bytes(blob)
+            fp_meta = {**meta, "path": FINGERPRINTS_FILE}
         manifest = DraftArtifactManifest(
             content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
             engine_family=family if engine == "sglang" else None,
@@ -116,6 +129,7 @@ def export_draft(
             aux_layer_ids_convention=conventions.native_id_convention(engine, family),  # type: ignore[arg-type]
             target=target, dataset_id=dataset_id, dataset_manifest_sha256=dataset_manifest_sha256,
             draft_config=model.config.to_dict(), training=training or {}, metrics=metrics or {},
+            fingerprints=fp_meta,
         )
         (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))
         if out.exists():

@@ -24,7 +24,7 @@ from pipeline.extract import layout
 from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
 from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
-from pipeline.store.reader import load_manifest
+from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.config import ExtractConfig
 from schemas.dataset import ENCODING, dataset_schema
 from schemas.identity import TargetIdentity
@@ -158,6 +158,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         quarantine_path=layout.QUARANTINE_FILE,
     )
     manifest.reconcile()
+    if cfg.fingerprint.probe_samples:
+        manifest.fingerprints = _fingerprint(cfg, manifest)
     atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())
     _cleanup_tmp(fs, root)
     t = manifest.totals
@@ -167,6 +169,20 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         manifest.dataset_id, t.input_rows, t.rows, t.quarantined, t.shards, t.tokens, t.bytes / 1e6, t.tokens / dt, dt,
     )
     return manifest
+
+
+def _fingerprint(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
+    """Fingerprint probe samples from the committed shards (the values training will read)."""
+    from pipeline import fingerprint
+
+    t0 = time.perf_counter()
+    reader = DatasetReader(cfg.output.uri, cfg.s3, verify_checksums=False, manifest=manifest)
+    fp = fingerprint.compute(reader, cfg.fingerprint.probe_samples, cfg.fingerprint.dim, cfg.fingerprint.seed)
+    path, digest = fp.save(cfg.output.uri, cfg.s3)
+    dt = time.perf_counter() - t0
+    log.info("fingerprinted %d probe samples x %d capture points in %.2fs", len(fp.sample_ids), len(fp.points), dt)
+    return {"path": path, "sha256": digest, "probe_samples": len(fp.sample_ids), "dim": fp.dim, "seed": fp.seed,
+            "seconds": dt}
 
 
 def _cleanup_tmp(fs, root: str) -> None:

@@ -81,7 +81,8 @@ class Registry:
             raise ValueError(f"{d}: content digest {actual[:16]} does not match its manifest's {manifest.content_digest[:16]}")
         base = f"artifacts/{manifest.content_digest}"
         if self.store.get(f"{base}/{ARTIFACT_MANIFEST}") is None:
-            for name in ARTIFACT_FILES:
+            extra = [manifest.fingerprints["path"]] if manifest.fingerprints else []
+            for name in [*ARTIFACT_FILES, *extra]:
                 if name != ARTIFACT_MANIFEST:
                     self.store.put(f"{base}/{name}", (d / name).read_bytes())
             try:

@@ -59,10 +59,11 @@ class DatasetReader:
         expect_target: TargetIdentity | None = None,
         expect_points: list[CapturePoint | str] | None = None,
         verify_checksums: bool = True,
+        manifest: DatasetManifest | None = None,
     ):
         self.uri = uri
         self.fs, self.root = resolve(uri, s3)
-        self.manifest = load_manifest(uri, s3)
+        self.manifest = manifest or load_manifest(uri, s3)
         self.manifest.reconcile()
         self.verify_checksums = verify_checksums
         m = self.manifest

@@ -27,7 +27,7 @@ from pipeline.store.fs import (
     read_bytes,
     resolve,
 )
-from pipeline.store.reader import DatasetReader, ProvenanceMismatch
+from pipeline.store.reader import DatasetReader, ProvenanceMismatch, load_manifest
 from pipeline.train import checkpoint
 from pipeline.train.data import index_samples, split_eval
 from pipeline.train.loop import RunPlan, train_worker
@@ -209,6 +209,11 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     metrics = json.loads(read_bytes(fs, metrics_path)) if exists(fs, metrics_path) else {}
     target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
     dfs, droot = resolve(dest_uri, s3) if dest_uri else (fs, join(root, "export"))
+    fingerprints = None
+    ds_manifest = load_manifest(cfg.dataset, cfg.s3)
+    if ds_manifest.fingerprints:
+        rfs, rroot = resolve(cfg.dataset, cfg.s3)
+        fingerprints = (read_bytes(rfs, join(rroot, ds_manifest.fingerprints["path"])), ds_manifest.fingerprints)
     out = []
     for engine in engines or cfg.export.engines:
         family = sglang_family or cfg.export.sglang_family
@@ -220,6 +225,7 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
             dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
             dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
             training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
+            fingerprints=fingerprints,
         )
         for fname in os.listdir(dest):
             publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))

@@ -1,0 +1,139 @@
+"""Training-data fingerprints: what the draft was trained on, in a form small enough to
+travel with every artifact, so a draft can be validated after its data is deleted.
+
+Per probe sample and capture point: a seeded Gaussian random projection of each token's
+vector to ``dim`` numbers (Johnson-Lindenstrauss: distances, hence relative L2 errors, are
+preserved to ~1/sqrt(dim)), each token's RMS, and the SHA-256 of the raw tensor bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.store.fs import join, publish_local_file, read_bytes, resolve
+
+FINGERPRINTS_FILE = "fingerprints.safetensors"
+
+
+def projection(hidden: int, dim: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + hidden)
+    return torch.randn(hidden, dim, generator=g) / dim**0.5
+
+
+def sketch(x: torch.Tensor, proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, H] -> ([T, dim] projection, [T] RMS), both float32."""
+    x32 = x.float()
+    return x32 @ proj.to(x32.device), x32.pow(2).mean(-1).sqrt()
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, over every token (a is compared against reference b)."""
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+def tensor_digest(x: torch.Tensor) -> str:
+    return hashlib.sha256(x.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def probe_ids(sample_ids: list[str], n: int) -> list[str]:
+    """The n samples with the smallest hash of their id: stable under resharding and resume."""
+    return sorted(sample_ids, key=lambda s: hashlib.sha256(s.encode()).hexdigest())[:n]
+
+
+@dataclass
+class Fingerprints:
+    sample_ids: list[str]
+    lengths: list[int]
+    points: list[str]
+    dim: int
+    seed: int
+    sketches: dict[str, torch.Tensor]   # point -> [sum T, dim]
+    rms: dict[str, torch.Tensor]        # point -> [sum T]
+    digests: dict[str, list[str]]       # point -> sha256 of each sample's raw tensor
+    input_ids: torch.Tensor             # [sum T] the probe samples' tokens, for replay
+
+    def sample(self, point: str, i: int) -> torch.Tensor:
+        off = sum(self.lengths[:i])
+        return self.sketches[point][off : off + self.lengths[i]]
+
+    def tokens(self, i: int) -> list[int]:
+        off = sum(self.lengths[:i])
+        return self.input_ids[off : off + self.lengths[i]].tolist()
+
+    def metadata(self) -> dict[str, str]:
+        import json
+
+        return {"sample_ids": json.dumps(self.sample_ids), "lengths": json.dumps(self.lengths),
+                "points": json.dumps(self.points), "dim": str(self.dim), "seed": str(self.seed),
+                "digests": json.dumps(self.digests)}
+
+    def save(self, uri: str, s3=None, name: str = FINGERPRINTS_FILE) -> tuple[str, str]:
+        """Write to ``<uri>/<name>``; returns (relative path, sha256)."""
+        tensors = {"input_ids": self.input_ids}
+        for p in self.points:
+            tensors[f"sketch/{p}"] = self.sketches[p].contiguous()
+            tensors[f"rms/{p}"] = self.rms[p].contiguous()
+        tmp = os.path.join(tempfile.mkdtemp(prefix="strata-fp-"), name)
+        save_file(tensors, tmp, metadata=self.metadata())
+        digest = hashlib.sha256(open(tmp, "rb").read()).hexdigest()
+        fs, root = resolve(uri, s3)
+        publish_local_file(tmp, fs, join(root, name))
+        return name, digest
+
+    @classmethod
+    def load(cls, uri: str, s3=None, name: str = FINGERPRINTS_FILE) -> Fingerprints:
+        import json
+
+        from safetensors import safe_open
+
+        fs, root = resolve(uri, s3)
+        tmp = os.path.join(tempfile.mkdtemp(prefix="strata-fp-"), name)
+        with open(tmp, "wb") as f:
+            f.write(read_bytes(fs, join(root, name)))
+        with safe_open(tmp, framework="pt") as st:
+            meta = st.metadata()
+        t = load_file(tmp)
+        points = json.loads(meta["points"])
+        return cls(
+            sample_ids=json.loads(meta["sample_ids"]), lengths=json.loads(meta["lengths"]), points=points,
+            dim=int(meta["dim"]), seed=int(meta["seed"]), sketches={p: t[f"sketch/{p}"] for p in points},
+            rms={p: t[f"rms/{p}"] for p in points}, digests=json.loads(meta["digests"]), input_ids=t["input_ids"],
+        )
+
+
+def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
+    """Fingerprints of ``n_probe`` samples of a dataset, from the stored (trained-on) values."""
+    from pipeline.train.data import index_samples
+
+    refs = {r.sample_id: r for r in index_samples(reader)}
+    chosen = probe_ids(list(refs), n_probe)
+    points = list(reader.points)
+    hidden = {p: reader.provenance(p).hidden_size for p in points}
+    projs = {h: projection(h, dim, seed) for h in set(hidden.values())}
+    sk = {p: [] for p in points}
+    rm = {p: [] for p in points}
+    dg = {p: [] for p in points}
+    ids, lengths = [], []
+    for sid in chosen:
+        r = refs[sid]
+        table = reader.read_row_group(r.shard, r.row_group)
+        ids.append(torch.from_numpy(table["input_ids"][r.row].values.to_numpy().astype("int64")))
+        lengths.append(r.tokens)
+        for p in points:
+            x = reader.decode(table, r.row, p)
+            s, q = sketch(x, projs[hidden[p]])
+            sk[p].append(s)
+            rm[p].append(q)
+            dg[p].append(tensor_digest(x))
+    return Fingerprints(
+        sample_ids=chosen, lengths=lengths, points=points, dim=dim, seed=seed,
+        sketches={p: torch.cat(v) if v else torch.zeros(0, dim) for p, v in sk.items()},
+        rms={p: torch.cat(v) if v else torch.zeros(0) for p, v in rm.items()}, digests=dg,
+        input_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long),
+    )
