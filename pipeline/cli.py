@@ -105,6 +105,43 @@ def cmd_export(args: argparse.Namespace) -> int:
 EXIT_BLOCKED = 3
 
 
+def cmd_validate(args: argparse.Namespace) -> int:
+    from pipeline.validate.job import ValidationInputError, run_validate
+    from schemas.config import load_config
+    from schemas.validation import ValidateConfig
+
+    cfg = load_config(args.config, ValidateConfig)
+    if args.report_dir:
+        cfg.report_dir = args.report_dir
+    if args.registry:
+        cfg.registry = args.registry
+    try:
+        r = run_validate(cfg)
+    except ValidationInputError as e:
+        print(f"strata: cannot validate: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(r.model_dump_json(indent=1))
+    else:
+        print(f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
+              f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}")
+        print(f"  the engine reads {r.engine_reads['key']} = {r.engine_reads['ids']} -> {r.engine_reads['labels']}")
+        for s in r.slots:
+            print(f"  {'ok ' if s.ok else 'BAD'} {s.message}")
+        for c in r.identity:
+            if not c.ok:
+                print(f"  BAD identity {c.message}")
+        if "mean_acceptance_length" in r.acceptance:
+            a = r.acceptance
+            print(f"  acceptance: mean length {a['mean_acceptance_length']:.2f} (k={a['k']}), per position "
+                  f"{[round(x, 2) for x in a['acceptance_per_pos']]}, lossless {a['lossless']}")
+        for reason in r.reasons:
+            print(f"  - {reason}")
+        if r.report_dir:
+            print(f"  report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")
+    return 0 if r.decision == "pass" else EXIT_BLOCKED
+
+
 def _registry(args: argparse.Namespace):
     import os
 
@@ -132,7 +169,13 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 def cmd_registry(args: argparse.Namespace) -> int:
     reg = _registry(args)
-    if args.action == "add":
+    if args.action == "create-channel":
+        from pipeline.validate.job import serving_for_channel
+
+        spec = reg.create_channel(args.target, serving_for_channel(args.validate_config))
+        print(f"channel {spec.channel}: serving key {spec.serving.key} ({spec.serving.engine} {spec.serving.engine_version}, "
+              f"{spec.serving.dtype}, TP {spec.serving.tp_size})")
+    elif args.action == "add":
         m = reg.add_artifact(args.target)
         print(f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})")
     elif args.action == "ls":
@@ -224,6 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None)
     s.set_defaults(func=cmd_export)
 
+    s = sub.add_parser("validate", help="replay the probe set as the serving engine will; exit 0 pass, 3 block, 2 bad input")
+    s.add_argument("--config", required=True)
+    s.add_argument("--json", action="store_true", help="print the machine-readable verdict")
+    s.add_argument("--report-dir", help="write report.md, report.json and heatmap.png here")
+    s.add_argument("--registry", help="record the verdict in this registry")
+    s.set_defaults(func=cmd_validate)
+
     s = sub.add_parser("promote", help="move a channel to an artifact (needs a passing validation record)")
     s.add_argument("artifact", help="artifact content digest")
     s.add_argument("--channel", required=True)
@@ -231,8 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_promote)
 
     s = sub.add_parser("registry", help="artifacts, channels and the audit log")
-    s.add_argument("action", choices=["add", "ls", "show", "history"])
-    s.add_argument("target", nargs="?", help="add: exported draft dir; show: digest; history: channel")
+    s.add_argument("action", choices=["add", "ls", "show", "history", "create-channel"])
+    s.add_argument("target", nargs="?", help="add: exported draft dir; show: digest; history/create-channel: channel")
+    s.add_argument("--validate-config", help="create-channel: the validation config whose serving spec the channel deploys")
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
     s.set_defaults(func=cmd_registry)
 

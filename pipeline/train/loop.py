@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -146,7 +147,9 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
         state = checkpoint.load(engine, cfg.output, cfg.s3, plan.resume_from, rank, world)
         step = state["step"]
         scheduler.last_epoch = step - 1
-        scheduler.step()  # sets the optimizer's lr for `step`
+        with warnings.catch_warnings():  # stepping the schedule to `step` before any optimizer step is intended
+            warnings.simplefilter("ignore", UserWarning)
+            scheduler.step()
         if rank == 0:
             log.info("resumed from %s at step %d", plan.resume_from, step)
 

@@ -1,0 +1,71 @@
+"""The promotion gate's numeric check: which tensor will the engine feed each draft slot,
+and do its values match what the draft was trained on?
+
+For every slot, the replayed serving target's boundaries r_0..r_N and final post-norm are
+compared with the slot's training fingerprints (relative L2 in sketch space). The fed
+boundary must match within tolerance and beat every other boundary by a clear factor;
+otherwise the report names the boundary the training values do match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline import conventions
+from pipeline.fingerprint import rel_l2
+from schemas.capture import CapturePoint
+from schemas.validation import SlotCheck, Tolerances
+
+
+def label(point: CapturePoint, n: int) -> str:
+    b = conventions.boundary_label(point, n)
+    if point.kind == "layer_output":
+        return f"o_{point.layer} ({b})"
+    return {"embedding": "embedding (r_0)", "final": f"final {point.norm}-norm ({b})"}[point.kind]
+
+
+def check_slots(
+    trained: list[CapturePoint], fed: list[CapturePoint], fingerprints: dict[str, torch.Tensor],
+    replayed: dict[str, torch.Tensor], n: int, tol: Tolerances,
+) -> list[SlotCheck]:
+    """``fingerprints``: slot point -> training sketch; ``replayed``: boundary point -> sketch."""
+    boundaries = conventions.all_boundaries(n)
+    out = []
+    for s, t in enumerate(trained):
+        ref = fingerprints[str(t)]
+        errs = {str(b): rel_l2(replayed[str(b)], ref) for b in boundaries}
+        best = min(errs, key=errs.get)
+        f = fed[s] if s < len(fed) else None
+        if f is None:
+            out.append(SlotCheck(slot=s, trained=t, fed=None, errors=errs, best=best, ok=False,
+                                 message=f"slot {s}: the engine feeds no tensor here (it reads {len(fed)} aux ids, "
+                                         f"the draft has {len(trained)} slots)"))
+            continue
+        fkey = str(conventions.boundary_point(f.boundary(n), n)) if f.boundary(n) is not None else str(f)
+        fed_err = errs[fkey]
+        others = [e for k, e in errs.items() if k != fkey]
+        ok = fed_err <= tol.match_rel_l2 and all(e >= tol.neighbour_factor * fed_err for e in others)
+        if ok:
+            msg = f"slot {s}: fed {label(f, n)}, matches its training values (rel L2 {fed_err:.4f})"
+        elif errs[best] <= tol.match_rel_l2:
+            bp = CapturePoint.parse(best)
+            shift = (f.boundary(n) or n + 1) - (bp.boundary(n) or n + 1)
+            msg = (f"slot {s} is fed {label(f, n)} (rel L2 {fed_err:.3f} vs its training values), but the draft was "
+                   f"trained on {label(t, n)}, whose values match {label(bp, n)} (rel L2 {errs[best]:.4f})"
+                   + (f": shifted by {shift:+d}" if shift else ""))
+        else:
+            msg = (f"slot {s}: the training values of {label(t, n)} match no boundary of the serving target "
+                   f"(closest {label(CapturePoint.parse(best), n)} at rel L2 {errs[best]:.3f} > tolerance "
+                   f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance")
+        out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg))
+    return out
+
+
+def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str) -> str:
+    """What to write so the engine feeds exactly the trained points."""
+    try:
+        ids = conventions.aux_ids_for(trained, engine, n, family)  # type: ignore[arg-type]
+    except conventions.ConventionError as e:
+        return f"{engine} cannot be configured to feed these points: {e}"
+    where = f"eagle_config.{conventions.AUX_KEY}" if engine == "sglang" else f"top-level {conventions.AUX_KEY}"
+    return f"for {engine} write {where}={ids}"

@@ -1,0 +1,71 @@
+"""Human report: Markdown with the slot x boundary alignment table, and a heatmap image of
+the same matrix -- the picture that shows a shifted layer id at a glance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import conventions
+from pipeline.validate.gate import label
+from schemas.capture import CapturePoint
+from schemas.validation import ValidationReport
+
+
+def write_report(r: ValidationReport, n: int, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(r.model_dump_json(indent=1))
+    heatmap(r, n, out / "heatmap.png")
+    names = [str(p) for p in conventions.all_boundaries(n)]
+    short = [conventions.boundary_label(CapturePoint.parse(x), n) for x in names]
+    lines = [
+        f"# Strata validation: **{r.decision.upper()}**", "",
+        f"- artifact `{r.artifact_digest[:16]}`, serving `{r.serving['engine']} {r.serving['engine_version']}` "
+        f"({r.serving['dtype']}, TP {r.serving['tp_size']}, key `{r.serving_key}`)",
+        f"- the engine reads `{r.engine_reads['key']}` = `{r.engine_reads['ids']}` -> feeds {r.engine_reads['labels']}", "",
+    ]
+    if r.reasons:
+        lines += ["## Why it is blocked", ""] + [f"- {x}" for x in r.reasons] + [""]
+    lines += ["## Slot alignment (relative L2 of the replayed target vs the training values)", "",
+              "| slot | trained on | fed | " + " | ".join(short) + " |",
+              "|---|---|---|" + "---|" * len(short)]
+    for s in r.slots:
+        cells = []
+        for name in names:
+            v = s.errors[name]
+            cells.append(f"**{v:.3f}**" if name == s.best else f"{v:.3f}")
+        fed = label(s.fed, n) if s.fed else "-"
+        lines.append(f"| {s.slot} {'ok' if s.ok else 'BAD'} | {label(s.trained, n)} | {fed} | " + " | ".join(cells) + " |")
+    lines += ["", "![slot x boundary error](heatmap.png)", "", "## Identity", ""]
+    lines += [f"- {'ok' if c.ok else 'MISMATCH'}: {c.message}" for c in r.identity]
+    lines += ["", "## Acceptance (reference speculative decoding, the points the engine feeds)", "",
+              "```", *(f"{k}: {v}" for k, v in r.acceptance.items()), "```", "",
+              "## Tolerances and calibration", "", "```", *(f"{k}: {v}" for k, v in r.tolerances.items()),
+              *(f"{k}: {v}" for k, v in r.calibration.items()), "```", ""]
+    (out / "report.md").write_text("\n".join(lines))
+
+
+def heatmap(r: ValidationReport, n: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [str(p) for p in conventions.all_boundaries(n)]
+    m = np.array([[s.errors[x] for x in names] for s in r.slots])
+    fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(names), 1.2 + 0.6 * len(r.slots)))
+    im = ax.imshow(np.clip(m, 0, 1.5), cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(names)), [conventions.boundary_label(CapturePoint.parse(x), n) for x in names], rotation=45)
+    ax.set_yticks(range(len(r.slots)), [f"slot {s.slot}\ntrained {conventions.boundary_label(s.trained, n)}" for s in r.slots])
+    for s in r.slots:
+        if s.fed is not None:
+            k = s.fed.boundary(n)
+            x = names.index("final:post_norm") if k is None else k
+            ax.add_patch(plt.Rectangle((x - 0.5, s.slot - 0.5), 1, 1, fill=False, ec="red" if not s.ok else "white", lw=2.5))
+        for j, v in enumerate(m[s.slot]):
+            ax.text(j, s.slot, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v > 0.7 else "black")
+    ax.set_title(f"{r.decision.upper()}: rel. L2 to training values (box = what the engine feeds)", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
