@@ -200,6 +200,12 @@ def cmd_registry(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import DEMO_ROOT, run_demo
+
+    return run_demo(DEMO_ROOT)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from pipeline.store.reader import load_manifest
 
@@ -286,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--validate-config", help="create-channel: the validation config whose serving spec the channel deploys")
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
     s.set_defaults(func=cmd_registry)
+
+    s = sub.add_parser("demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration")
+    s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
     s.add_argument("dataset")

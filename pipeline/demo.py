@@ -73,3 +73,71 @@ def _yaml(obj: dict) -> str:
 
 def demo_config(root: Path = DEMO_ROOT) -> ExtractConfig:
     return load_config(ensure_demo(root), ExtractConfig)
+
+
+def run_demo(root: Path = DEMO_ROOT) -> int:
+    """extract -> train -> validate -> promote on the embedded default, then the original bug:
+    a serving config with the ids shifted by one slot and the embedding inserted first."""
+    import json as _json
+
+    from pipeline.extract.job import run_extract
+    from pipeline.registry.registry import Registry
+    from pipeline.registry.store import LocalStore
+    from pipeline.train.trainer import run_train
+    from pipeline.validate.job import run_validate, serving_for_channel
+    from schemas.config import TrainConfig
+    from schemas.validation import ValidateConfig
+
+    root = root.resolve()
+    cfg_path = ensure_demo(root)
+    print("\n== 1/5 extract: hidden states with provenance -> Parquet (Ray Data, local Ray)")
+    m = run_extract(load_config(cfg_path, ExtractConfig))
+    print(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
+          f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} fingerprinted")
+    print("\n== 2/5 train: EAGLE-3 draft, DeepSpeed ZeRO-2 on 2 Ray Train workers; export for SGLang + vLLM")
+    out = run_train(load_config(root / "train.yaml", TrainConfig))
+    ev = out["metrics"].get("eval") or {}
+    print(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
+    art = root / "run" / "export" / "vllm"
+    registry = root / "registry"
+    good = root / "validate.yaml"
+    good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"),
+                           "serving": {"engine": "vllm", "engine_version": "0.32.0", "dtype": "float32",
+                                       "target": {"path": str(root / "target")}}}))
+    print("\n== 3/5 validate the draft as vLLM will serve it (replay probe samples, compare with fingerprints)")
+    reg = Registry(LocalStore(registry))
+    if reg.channel_spec("production") is None:
+        reg.create_channel("production", serving_for_channel(str(good)))
+    r = run_validate(load_config(good, ValidateConfig).model_copy(update={"registry": str(registry)}))
+    _print_verdict(r)
+    print("\n== 4/5 promote to channel 'production' (needs the passing record just written)")
+    if r.decision == "pass":
+        ptr = reg.promote(r.artifact_digest, "production")
+        print(f"   production -> {ptr.artifact_digest[:16]} (record {ptr.record_id})")
+    print("\n== 5/5 the original bug: embedding inserted first, last slot dropped (ids [0, 2, 3] for a draft "
+          "trained on [2, 3, 4])")
+    bad_cfg = _json.loads((art / "config.json").read_text())
+    bad_cfg["eagle_aux_hidden_state_layer_ids"] = [0, 2, 3]
+    (root / "misconfigured-config.json").write_text(_json.dumps(bad_cfg, indent=1))
+    bad = root / "validate-misconfigured.yaml"
+    bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),
+                          "serving": {"engine": "vllm", "engine_version": "0.32.0", "dtype": "float32",
+                                      "target": {"path": str(root / "target")},
+                                      "draft_config": str(root / "misconfigured-config.json")}}))
+    r2 = run_validate(load_config(bad, ValidateConfig))
+    _print_verdict(r2)
+    print(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
+    return 0 if r.decision == "pass" and r2.decision == "block" else 1
+
+
+def _print_verdict(r) -> None:
+    print(f"   {r.decision.upper()}: engine reads {r.engine_reads['key']} = {r.engine_reads['ids']}")
+    for s in r.slots:
+        print(f"   {'ok ' if s.ok else 'BAD'} {s.message}")
+    if "mean_acceptance_length" in r.acceptance:
+        print(f"   acceptance: mean length {r.acceptance['mean_acceptance_length']:.2f} with k={r.acceptance['k']}, "
+              f"lossless {r.acceptance['lossless']}")
+    for x in r.reasons:
+        print(f"   - {x}")
+    if r.report_dir:
+        print(f"   report: {r.report_dir}/report.md, heatmap {r.report_dir}/heatmap.png")

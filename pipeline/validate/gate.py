@@ -49,7 +49,7 @@ def check_slots(
             msg = f"slot {s}: fed {label(f, n)}, matches its training values (rel L2 {fed_err:.4f})"
         elif errs[best] <= tol.match_rel_l2:
             bp = CapturePoint.parse(best)
-            shift = (f.boundary(n) or n + 1) - (bp.boundary(n) or n + 1)
+            shift = _position(f, n) - _position(bp, n)
             msg = (f"slot {s} is fed {label(f, n)} (rel L2 {fed_err:.3f} vs its training values), but the draft was "
                    f"trained on {label(t, n)}, whose values match {label(bp, n)} (rel L2 {errs[best]:.4f})"
                    + (f": shifted by {shift:+d}" if shift else ""))
@@ -59,6 +59,12 @@ def check_slots(
                    f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance")
         out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg))
     return out
+
+
+def _position(p: CapturePoint, n: int) -> int:
+    """Index along the forward pass: r_0..r_N, then final post-norm at N+1."""
+    b = p.boundary(n)
+    return n + 1 if b is None else b
 
 
 def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str) -> str:
