@@ -15,7 +15,6 @@ wins, the other is refused and audited.
 from __future__ import annotations
 
 import getpass
-import json
 import logging
 import socket
 import uuid
@@ -189,6 +188,3 @@ class Registry:
                                serving_key=spec.serving.key if spec else None, reasons=reasons, actor=_actor()))
         raise PromotionRefused(reasons)
 
-
-def show(reg: Registry) -> dict:
-    return {c: json.loads(reg.pointer(c)[0].model_dump_json()) if reg.pointer(c)[0] else None for c in reg.channels()}

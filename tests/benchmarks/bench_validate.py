@@ -54,7 +54,7 @@ def main() -> None:
                        "fingerprint_s": m.fingerprints["seconds"], "probe_samples": probes,
                        "fingerprint_fraction_of_extraction": m.fingerprints["seconds"] / extract_s},
         "validation": {"probe_samples": probes, "acceptance_prompts": 6, "wall_s_best": min(times), "wall_s": times,
-                       "decision": r.decision},
+                       "decision": r.decision, "reasons": r.reasons},
     }
     print(json.dumps(result, indent=1))
     out = Path(__file__).parent / "results" / "validate_tiny_cpu.json"
