@@ -123,22 +123,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.json:
         print(r.model_dump_json(indent=1))
     else:
-        print(f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
-              f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}")
-        print(f"  the engine reads {r.engine_reads['key']} = {r.engine_reads['ids']} -> {r.engine_reads['labels']}")
-        for s in r.slots:
-            print(f"  {'ok ' if s.ok else 'BAD'} {s.message}")
-        for c in r.identity:
-            if not c.ok:
-                print(f"  BAD identity {c.message}")
-        if "mean_acceptance_length" in r.acceptance:
-            a = r.acceptance
-            print(f"  acceptance: mean length {a['mean_acceptance_length']:.2f} (k={a['k']}), per position "
-                  f"{[round(x, 2) for x in a['acceptance_per_pos']]}, lossless {a['lossless']}")
-        for reason in r.reasons:
-            print(f"  - {reason}")
-        if r.report_dir:
-            print(f"  report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")
+        from pipeline.validate.report import summary
+
+        print("\n".join(summary(r)))
     return 0 if r.decision == "pass" else EXIT_BLOCKED
 
 

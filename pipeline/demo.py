@@ -131,13 +131,6 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
 
 
 def _print_verdict(r) -> None:
-    print(f"   {r.decision.upper()}: engine reads {r.engine_reads['key']} = {r.engine_reads['ids']}")
-    for s in r.slots:
-        print(f"   {'ok ' if s.ok else 'BAD'} {s.message}")
-    if "mean_acceptance_length" in r.acceptance:
-        print(f"   acceptance: mean length {r.acceptance['mean_acceptance_length']:.2f} with k={r.acceptance['k']}, "
-              f"lossless {r.acceptance['lossless']}")
-    for x in r.reasons:
-        print(f"   - {x}")
-    if r.report_dir:
-        print(f"   report: {r.report_dir}/report.md, heatmap {r.report_dir}/heatmap.png")
+    from pipeline.validate.report import summary
+
+    print("\n".join("   " + line for line in summary(r)))

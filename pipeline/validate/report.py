@@ -11,6 +11,23 @@ from schemas.capture import CapturePoint
 from schemas.validation import ValidationReport
 
 
+def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
+    """The terminal verdict: decision, what the engine reads, each slot, identity, acceptance, reasons."""
+    lines = [f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
+             f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
+             f"{indent}the engine reads {r.engine_reads['key']} = {r.engine_reads['ids']} -> {r.engine_reads['labels']}"]
+    lines += [f"{indent}{'ok ' if s.ok else 'BAD'} {s.message}" for s in r.slots]
+    lines += [f"{indent}BAD identity {c.message}" for c in r.identity if not c.ok]
+    if "mean_acceptance_length" in r.acceptance:
+        a = r.acceptance
+        lines.append(f"{indent}acceptance: mean length {a['mean_acceptance_length']:.2f} (k={a['k']}), per position "
+                     f"{[round(x, 2) for x in a['acceptance_per_pos']]}, lossless {a['lossless']}")
+    lines += [f"{indent}- {x}" for x in r.reasons]
+    if r.report_dir:
+        lines.append(f"{indent}report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")
+    return lines
+
+
 def write_report(r: ValidationReport, n: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(r.model_dump_json(indent=1))
