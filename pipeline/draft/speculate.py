@@ -42,22 +42,14 @@ class TargetRunner:
     """An HF causal LM with hooks on the draft's aux capture points."""
 
     def __init__(self, model, aux_points: list[CapturePoint]):
-        self.model = model.eval()
-        base = model.model
-        n = len(base.layers)
-        self._store: dict[int, torch.Tensor] = {}
-        self.slots = []
-        for i, p in enumerate(aux_points):
-            k = p.boundary(n)
-            if k is None or k == 0:
-                raise ValueError(f"reference speculation needs residual-stream aux points after layer 0, got {p}")
-            base.layers[k - 1].register_forward_hook(self._hook(i))
-            self.slots.append(i)
+        from pipeline.engines.hf import decoder_parts, hook_capture_point
 
-    def _hook(self, i: int):
-        def h(_m, _a, out):
-            self._store[i] = out[0] if isinstance(out, tuple) else out
-        return h
+        self.model = model.eval()
+        _, layers, norm = decoder_parts(model)
+        self._store: dict[int, torch.Tensor] = {}
+        self.slots = list(range(len(aux_points)))
+        for i, p in enumerate(aux_points):
+            hook_capture_point(layers, norm, p, self._store, i)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from schemas.provenance import EngineRef
 log = logging.getLogger(__name__)
 
 
-def _decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
+def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
     base = getattr(model, "model", None) or model.base_model
     layers = getattr(base, "layers", None)
     norm = getattr(base, "norm", None)
@@ -44,6 +44,28 @@ def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
         native_id_convention=conventions.native_id_convention("hf"),
         tp_size=1,
     )
+
+
+def hook_capture_point(
+    layers: torch.nn.ModuleList, norm: torch.nn.Module, point: CapturePoint, store: dict, key,
+):
+    """Register the forward hook that puts ``point`` into ``store[key]`` on every forward."""
+    n = len(layers)
+
+    def save_output(_mod, _args, out):
+        store[key] = out[0] if isinstance(out, tuple) else out
+
+    def save_input(_mod, args, kwargs):
+        store[key] = args[0] if args else kwargs["hidden_states"]
+
+    k = point.validate_for(n).boundary(n)
+    if k is None:  # final post-norm: what the LM head reads
+        return norm.register_forward_hook(save_output)
+    if k == n:     # r_N: the final norm's input
+        return norm.register_forward_pre_hook(save_input, with_kwargs=True)
+    if k == 0:     # r_0: what enters layer 0 (after any embedding scaling)
+        return layers[0].register_forward_pre_hook(save_input, with_kwargs=True)
+    return layers[k - 1].register_forward_hook(save_output)  # r_k = o_{k-1}: output of layer k-1
 
 
 class HFEngine:
@@ -77,7 +99,7 @@ class HFEngine:
         if not multi_gpu:
             model.to(self.device)
         self.model = model
-        self.base, self.layers, self.norm = _decoder_parts(model)
+        self.base, self.layers, self.norm = decoder_parts(model)
         self.num_layers = len(self.layers)
         self.hidden_size = int(model.config.get_text_config().hidden_size)
         self.pad_id = int(model.config.pad_token_id or 0)
@@ -88,28 +110,8 @@ class HFEngine:
 
     # -- hooks ------------------------------------------------------------------------
     def _install_hooks(self) -> None:
-        n = self.num_layers
         for p in self.points:
-            key = str(p)
-            k = p.boundary(n)
-            if k is None:  # final post-norm: what the LM head reads
-                self._hooks.append(self.norm.register_forward_hook(self._save_output(key)))
-            elif k == n:    # r_N: the final norm's input
-                self._hooks.append(self.norm.register_forward_pre_hook(self._save_input(key), with_kwargs=True))
-            elif k == 0:    # r_0: what enters layer 0 (after any embedding scaling)
-                self._hooks.append(self.layers[0].register_forward_pre_hook(self._save_input(key), with_kwargs=True))
-            else:           # r_k = o_{k-1}: output of layer k-1
-                self._hooks.append(self.layers[k - 1].register_forward_hook(self._save_output(key)))
-
-    def _save_output(self, key: str):
-        def hook(_mod, _args, out):
-            self._captured[key] = out[0] if isinstance(out, tuple) else out
-        return hook
-
-    def _save_input(self, key: str):
-        def hook(_mod, args, kwargs):
-            self._captured[key] = args[0] if args else kwargs["hidden_states"]
-        return hook
+            self._hooks.append(hook_capture_point(self.layers, self.norm, p, self._captured, str(p)))
 
     def engine_ref(self, point: CapturePoint) -> EngineRef:
         return hf_engine_ref(point, self.num_layers)
