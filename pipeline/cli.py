@@ -154,6 +154,31 @@ def cmd_promote(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
+
+
+def cmd_retrain(args: argparse.Namespace) -> int:
+    from pipeline.retrain.job import parse_every, run_forever, run_retrain
+    from pipeline.retrain.lease import LeaseHeld
+    from schemas.config import load_config
+    from schemas.retrain import RetrainConfig
+
+    cfg = load_config(args.config, RetrainConfig)
+    if args.no_ray:
+        cfg = cfg.model_copy(update={"use_ray": False})
+    if args.every:
+        return run_forever(cfg, parse_every(args.every), progress=not args.no_progress)
+    try:
+        rec = run_retrain(cfg, progress=not args.no_progress)
+    except LeaseHeld as e:
+        print(f"strata retrain: not running: {e}", file=sys.stderr)
+        return EXIT_LEASE_HELD
+    print(f"retrain {rec.run_id}: {rec.outcome}: {rec.message}")
+    for r in rec.reasons:
+        print(f"  - {r}")
+    return EXIT_BLOCKED if rec.outcome in ("blocked", "refused") else 0
+
+
 def cmd_registry(args: argparse.Namespace) -> int:
     reg = _registry(args)
     if args.action == "create-channel":
@@ -272,6 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--channel", required=True)
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
     s.set_defaults(func=cmd_promote)
+
+    s = sub.add_parser("retrain", help="one pass: extract new rows, train, validate, promote through the gate; "
+                       "exit 0 promoted/nothing new, 3 blocked/refused, 75 another scheduler holds the lease")
+    s.add_argument("--config", required=True)
+    s.add_argument("--every", help="repeat every interval (e.g. 6h) until SIGTERM")
+    s.add_argument("--no-ray", action="store_true", help="extract and train in this process")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(func=cmd_retrain)
 
     s = sub.add_parser("registry", help="artifacts, channels and the audit log")
     s.add_argument("action", choices=["add", "ls", "show", "history", "create-channel"])

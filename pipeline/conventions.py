@@ -166,6 +166,17 @@ def aux_ids_for(
     raise ConventionError(f"unknown tool {tool!r}")
 
 
+def vllm_capture_plan(points: Sequence[CapturePoint], num_layers: int) -> tuple[list[int], list[int]]:
+    """Ids to hand vLLM's hidden-state extraction so it captures ``points``, and the slot of each.
+
+    vLLM captures the sorted, de-duplicated ids in ascending order ([T, n_ids, H]), so any
+    requested order works: ``slots[i]`` is where ``points[i]`` lands.
+    """
+    rs = [_r(p.validate_for(num_layers), num_layers, "vllm") for p in points]
+    ids = sorted(set(rs))
+    return ids, [ids.index(k) for k in rs]
+
+
 def _sglang_capturable(k: int, n: int, family: SGLangFamily) -> bool:
     top = n if family == "gpt_oss" else n - 1
     return 1 <= k <= top

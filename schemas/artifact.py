@@ -10,6 +10,8 @@ from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
 
 ARTIFACT_MANIFEST = "strata_artifact.json"
+# Not *.safetensors: vLLM and SGLang load every top-level *.safetensors of a draft as weights.
+ARTIFACT_FINGERPRINTS = "strata_fingerprints.st"
 
 
 class DraftArtifactManifest(BaseModel):

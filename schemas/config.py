@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from schemas.capture import CapturePoint, parse_points
 from schemas.provenance import DType
@@ -32,12 +32,14 @@ class SourceConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    name: Literal["hf"] = "hf"
+    name: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="hf: forward hooks; vllm: extract_hidden_states (CPU or GPU); sglang: GPU clusters")
     dtype: DType = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
-    batch_tokens: int = Field(16384, gt=0, description="padded tokens per forward batch")
-    tp_size: int = Field(1, ge=1)
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="hf only")
+    batch_tokens: int = Field(16384, gt=0, description="tokens per forward batch (hf: padded)")
+    tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per extraction actor (vllm, sglang)")
+    max_model_len: int = Field(4096, gt=1, description="vllm/sglang context length; >= max_length + 1")
 
 
 class OutputConfig(_Strict):
@@ -86,6 +88,24 @@ class ExtractConfig(_Strict):
     fingerprint: FingerprintConfig = FingerprintConfig()
     ray: RayConfig = RayConfig()
     s3: S3Config = S3Config()
+
+    @model_validator(mode="after")
+    def _engine_fits(self) -> ExtractConfig:
+        e = self.engine
+        if e.name == "hf" and e.tp_size > 1:
+            raise ValueError("engine.tp_size > 1 needs engine vllm or sglang; the hf engine splits a large target "
+                             "layer-wise over the actor's GPUs instead (set ray.gpus_per_actor)")
+        if e.tp_size > 1 and self.ray.gpus_per_actor != e.tp_size:
+            raise ValueError(f"ray.gpus_per_actor must equal engine.tp_size ({e.tp_size}): each extraction actor "
+                             f"hosts one tensor-parallel replica of the target, got {self.ray.gpus_per_actor}")
+        if e.name != "hf" and e.max_model_len < self.max_length + 1:
+            raise ValueError(f"engine.max_model_len {e.max_model_len} must exceed max_length {self.max_length}")
+        if e.name != "hf":
+            post = [str(p) for p in self.capture if p.kind == "final" and p.norm == "post"]
+            if post:
+                raise ValueError(f"engine {e.name} captures the residual stream only (pre-norm); it cannot capture "
+                                 f"{post}: drop it or use engine hf")
+        return self
 
     @field_validator("capture", mode="before")
     @classmethod
@@ -156,6 +176,9 @@ class OptimConfig(_Strict):
 class DeepSpeedConfig(_Strict):
     zero_stage: Literal[1, 2, 3] = 2
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    config_file: str | None = Field(
+        None, description="DeepSpeed JSON (e.g. infra/deepspeed/zero3-offload.json) merged over Strata's settings; "
+        "batch size, accumulation and clipping stay Strata's (they are part of the training plan)")
 
 
 class ExportConfig(_Strict):
@@ -179,6 +202,9 @@ class TrainConfig(_Strict):
     metrics_every: int = Field(10, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     resume: Literal["latest", "none"] = "latest"
+    init_from: str | None = Field(
+        None, description="warm start: an exported draft directory (same target, capture points and draft shape); "
+        "its weights and draft vocab are the starting point")
     seed: int = 0
     optim: OptimConfig = OptimConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()

@@ -37,6 +37,7 @@ class ShardRecord(BaseModel):
     bytes: int
     sha256: str | None
     quarantine_path: str | None = None
+    inherited_from: str | None = None    # dataset id of the earlier version this shard belongs to
 
 
 class Totals(BaseModel):
@@ -67,12 +68,16 @@ class DatasetManifest(BaseModel):
     totals: Totals
     quarantine_path: str | None = None
     fingerprints: dict | None = None   # {"path", "sha256", "probe_samples", "dim", "seed"}
+    # A dataset version built on earlier ones lists their shards (inherited_from set, paths
+    # relative to this root, e.g. ../v0001/part/shards/...) instead of copying them.
+    parents: list[str] = []
 
     def reconcile(self) -> None:
         """Raise unless every input row is either written or quarantined, exactly once."""
-        rows = sum(s.rows for s in self.shards)
-        quar = sum(s.quarantined for s in self.shards)
-        covered = sorted(s.source_rows for s in self.shards)
+        own = [s for s in self.shards if s.inherited_from is None]
+        rows = sum(s.rows for s in own)
+        quar = sum(s.quarantined for s in own)
+        covered = sorted(s.source_rows for s in own)
         pos = 0
         for a, b in covered:
             if a != pos:
@@ -80,8 +85,15 @@ class DatasetManifest(BaseModel):
             pos = b
         if pos != self.source.rows:
             raise ValueError(f"manifest {self.dataset_id}: shards cover {pos} source rows, source has {self.source.rows}")
-        if rows + quar != self.source.rows or rows != self.totals.rows or quar != self.totals.quarantined:
+        if rows + quar != self.source.rows:
             raise ValueError(
                 f"manifest {self.dataset_id}: counts do not reconcile: input {self.source.rows} != "
                 f"written {rows} + quarantined {quar}"
             )
+        all_rows, all_quar = sum(s.rows for s in self.shards), sum(s.quarantined for s in self.shards)
+        if all_rows != self.totals.rows or all_quar != self.totals.quarantined:
+            raise ValueError(f"manifest {self.dataset_id}: totals ({self.totals.rows} rows, {self.totals.quarantined} "
+                             f"quarantined) disagree with its shards ({all_rows}, {all_quar})")
+        unknown = {s.inherited_from for s in self.shards if s.inherited_from} - set(self.parents)
+        if unknown:
+            raise ValueError(f"manifest {self.dataset_id}: shards inherited from {sorted(unknown)}, not in its parents")

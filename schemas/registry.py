@@ -69,10 +69,11 @@ class AuditEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     at: str = Field(default_factory=_now)
-    action: Literal["promote", "create_channel", "add_record", "add_artifact"]
+    action: Literal["promote", "create_channel", "add_record", "add_artifact", "retrain"]
     decision: Literal["accepted", "refused"]
     channel: str | None = None
     artifact_digest: str | None = None
     serving_key: str | None = None
     reasons: list[str] = []
     actor: str
+    details: dict | None = None            # retrain: the run record

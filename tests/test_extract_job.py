@@ -108,17 +108,3 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
     m = r.manifest
     covered = sorted(x for s in m.shards for x in range(*s.source_rows))
     assert covered == list(range(nrows))
-
-
-def test_ray_job_submit(ray_cluster, tiny_target, conversations, tmp_path):
-    cfg_path = write_config(tmp_path, tiny_target, conversations, tmp_path / "ds")
-    ray_bin = str(Path(sys.executable).parent / "ray")
-    res = subprocess.run(
-        [ray_bin, "job", "submit", "--address", ray_cluster["dashboard"], "--working-dir", ".", "--",
-         "python", "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
-        cwd=REPO, env={**os.environ, **ray_cluster["env"]}, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, (res.stdout + res.stderr)[-4000:]
-    assert "succeeded" in res.stdout
-    r = DatasetReader(str(tmp_path / "ds"), expect_points=["layer_output:1", "final:post_norm"])
-    assert r.manifest.totals.rows == 40 and sum(1 for _ in r.iter_samples()) == 40

@@ -19,6 +19,7 @@ from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_
 from pipeline.extract.job import run_extract
 from pipeline.store.reader import ProvenanceMismatch, ShardCorrupt
 from pipeline.train.trainer import prepare, run_train
+from schemas.artifact import ARTIFACT_FINGERPRINTS
 from schemas.capture import CapturePoint as C
 from schemas.config import ExtractConfig, TrainConfig
 
@@ -253,5 +254,5 @@ def test_exported_artifact_carries_the_dataset_fingerprints(tiny_target, dataset
     ds_fp = load_manifest(str(dataset)).fingerprints
     art = json.loads((run / "export/sglang/strata_artifact.json").read_text())
     assert art["fingerprints"]["sha256"] == ds_fp["sha256"] and art["fingerprints"]["probe_samples"] == 16
-    fp = fpm.Fingerprints.load(str(run / "export/sglang"))
+    fp = fpm.Fingerprints.load(str(run / "export/sglang"), name=ARTIFACT_FINGERPRINTS)
     assert fp.points == [*AUX, "final:post_norm"] and len(fp.sample_ids) == 16

@@ -6,31 +6,15 @@ import shutil
 
 import pytest
 
-from pipeline.extract.job import run_extract
-from pipeline.train.trainer import run_train
 from pipeline.validate.job import ValidationInputError, run_validate
-from schemas.config import ExtractConfig, TrainConfig
 from schemas.validation import ValidateConfig
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 @pytest.fixture(scope="module")
-def run_dir(tiny_target, tmp_path_factory):
-    from pipeline.tiny import write_conversations
-
-    root = tmp_path_factory.mktemp("validate")
-    write_conversations(root / "conv.jsonl", n=120)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"], "max_length": 256,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 6}}), progress=False, use_ray=False)
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(tiny_target)}, "output": str(root / "run"),
-        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 4, "num_workers": 1,
-        "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 2}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "export": {"dtype": "float32"}}), use_ray=False)
-    return root / "run"
+def run_dir(trained_run):
+    return trained_run
 
 
 def validate(run_dir, tiny_target, tmp_path, engine="vllm", config_edit=None, target=None, **kw):
@@ -48,7 +32,7 @@ def validate(run_dir, tiny_target, tmp_path, engine="vllm", config_edit=None, ta
     kw.setdefault("acceptance_prompts", 2)
     serving = {"engine": kw.pop("serving_engine", engine), "dtype": kw.pop("dtype", "float32"),
                "target": {"path": str(target or tiny_target)}, "draft_config": str(p),
-               "attn_implementation": kw.pop("attn", "sdpa")}
+               "attn_implementation": kw.pop("attn", "sdpa"), "replay": kw.pop("replay", "hf")}
     return run_validate(ValidateConfig.model_validate({"artifact": str(art), "serving": serving, **kw}))
 
 
@@ -140,17 +124,17 @@ def test_missing_nested_key_means_silent_default(run_dir, tiny_target, tmp_path)
 def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     """A slot labelled pre-norm final (r_N) whose training values really are post-norm."""
     from pipeline.fingerprint import Fingerprints
-    from schemas.artifact import DraftArtifactManifest
+    from schemas.artifact import ARTIFACT_FINGERPRINTS, DraftArtifactManifest
 
     art = tmp_path / "art"
     shutil.copytree(run_dir / "export" / "vllm", art)
     ds_fp = Fingerprints.load(str(run_dir.parent / "ds"))
-    fp = Fingerprints.load(str(art))
+    fp = Fingerprints.load(str(art), name=ARTIFACT_FINGERPRINTS)
     fp.sketches["layer_output:5"] = ds_fp.sketches["final:post_norm"]     # the mislabelled training values
     fp.rms["layer_output:5"] = ds_fp.rms["final:post_norm"]
     fp.digests["layer_output:5"] = ds_fp.digests["final:post_norm"]
     fp.points = ["layer_output:1", "layer_output:2", "layer_output:5"]
-    fp.save(str(art))
+    fp.save(str(art), name=ARTIFACT_FINGERPRINTS)
     m = DraftArtifactManifest.model_validate_json((art / "strata_artifact.json").read_text())
     m.aux_capture_points = [m.aux_capture_points[0], m.aux_capture_points[1], m.aux_capture_points[0].layer_output(5)]
     (art / "strata_artifact.json").write_text(m.model_dump_json())
@@ -158,7 +142,7 @@ def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     cfg[AUX_KEY] = [2, 3, 6]
     (art / "config.json").write_text(json.dumps(cfg))
     r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(tiny_target)}},
+        "artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
         "acceptance_prompts": 0}))
     blocked(r, "slot 2 is fed o_5 (r_6)", "whose values match final post-norm (final_post)")
 
@@ -214,7 +198,7 @@ def test_acceptance_far_below_training_prediction_blocks(run_dir, tiny_target, t
     (art / "strata_artifact.json").write_text(json.dumps(m))
     r = run_validate(ValidateConfig.model_validate({
         "artifact": str(art), "acceptance_prompts": 2,
-        "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
+        "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
     assert r.acceptance["predicted_accepted_per_step"] == pytest.approx(0.99 + 0.99**2 + 0.99**3)
     blocked(r, "far below the 2.94 training accuracy predicts")
     assert all(s.ok for s in r.slots)
@@ -230,7 +214,7 @@ def test_cli_exit_codes_json_and_report(run_dir, tiny_target, tmp_path, capsys):
         c[AUX_KEY] = ids
         (tmp_path / "c.json").write_text(json.dumps(c))
         p = tmp_path / f"validate-{ids[0]}.yaml"
-        p.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "dtype": "float32", "target": {
+        p.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {
             "path": str(tiny_target)}, "draft_config": str(tmp_path / "c.json")}, "acceptance_prompts": 2,
             "tolerances": {"acceptance_vs_predicted": 0.0}}))
         return str(p)
@@ -255,7 +239,7 @@ def test_validation_records_gate_promotion(run_dir, tiny_target, tmp_path, capsy
     reg = str(tmp_path / "registry")
     art = run_dir / "export" / "vllm"
     good = tmp_path / "good.yaml"
-    good.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "dtype": "float32",
+    good.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32",
                                 "target": {"path": str(tiny_target)}}, "acceptance_prompts": 1,
                                 "tolerances": {"acceptance_vs_predicted": 0.0}}))
     assert strata(["registry", "create-channel", "production", "--validate-config", str(good), "--registry", reg]) == 0

@@ -20,8 +20,7 @@ from safetensors.torch import load_file, save_file
 from pipeline import conventions
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
-from pipeline.fingerprint import FINGERPRINTS_FILE
-from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
 
@@ -32,9 +31,18 @@ class ExportError(ValueError):
     pass
 
 
-def draft_state_dict(model: Eagle3Draft) -> dict[str, torch.Tensor]:
-    """Everything but the frozen target embedding, contiguous, on CPU."""
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+def draft_state_dict(model: Eagle3Draft, engine: str = "sglang") -> dict[str, torch.Tensor]:
+    """Everything but the frozen target embedding, contiguous, on CPU.
+
+    With the full target vocab as draft vocab, vLLM has no ``d2t`` parameter and refuses a
+    file that carries one, so the (all-zero) offsets are left out for it.
+    """
+    sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    if engine == "vllm" and model.config.draft_vocab_size == model.config.vocab_size:
+        if bool(sd["d2t"].any()):
+            raise ExportError("draft vocab is the full target vocab but d2t is not the identity")
+        del sd["d2t"]
+    return sd
 
 
 def engine_config(
@@ -111,7 +119,7 @@ def export_draft(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
-        sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model).items()}
+        sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model, engine).items()}
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=1))
         fp_meta = None
@@ -119,8 +127,8 @@ def export_draft(
             blob, meta = fingerprints
             if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
                 raise ExportError("the dataset's fingerprints file does not match its manifest digest")
-            (tmp / FINGERPRINTS_FILE).write_bytes(blob)
-            fp_meta = {**meta, "path": FINGERPRINTS_FILE}
+            (tmp / ARTIFACT_FINGERPRINTS).write_bytes(blob)
+            fp_meta = {**meta, "path": ARTIFACT_FINGERPRINTS}
         manifest = DraftArtifactManifest(
             content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
             engine_family=family if engine == "sglang" else None,
@@ -148,6 +156,7 @@ def load_draft(directory: str | Path, target_dir: str | Path | None = None, dtyp
     model = Eagle3Draft(DraftConfig(**manifest.draft_config))
     sd = load_file(str(d / WEIGHTS))
     missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if k != "d2t" or model.config.draft_vocab_size != model.config.vocab_size]
     if unexpected or set(missing) != {"embed_tokens.weight"}:
         raise ExportError(f"{d}: weights do not match the draft: missing {missing}, unexpected {unexpected}")
     if target_dir is not None:

@@ -32,6 +32,20 @@ def load_embedding(model_dir: str | Path) -> torch.Tensor:
     return _find_tensor(Path(model_dir), _EMBED_NAMES)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's final RMSNorm, in fp32."""
+    x = x.float()
+    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def load_final_norm(model_dir: str | Path):
+    """The target's final norm as a function, for stores and engines that hold pre-norm r_N."""
+    root = Path(model_dir)
+    cfg = json.loads((root / "config.json").read_text())
+    weight, eps = _find_tensor(root, _NORM_NAMES).float(), float(cfg.get("rms_norm_eps", 1e-5))
+    return lambda r_n: rms_norm(r_n, weight.to(r_n.device), eps)
+
+
 class TargetHead:
     def __init__(self, model_dir: str | Path, needs_norm: bool = False):
         root = Path(model_dir)
@@ -48,8 +62,7 @@ class TargetHead:
         return self
 
     def final_norm(self, r_n: torch.Tensor) -> torch.Tensor:
-        x = r_n.float()
-        return self.norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        return rms_norm(r_n, self.norm_weight, self.eps)
 
     @torch.no_grad()
     def targets(

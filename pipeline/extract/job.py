@@ -19,7 +19,7 @@ from tqdm import tqdm
 import pipeline
 from pipeline.conventions import boundary_label
 from pipeline.data.source import scan_source
-from pipeline.engines.hf import hf_engine_ref
+from pipeline.engines import engine_ref
 from pipeline.extract import layout
 from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
@@ -64,7 +64,7 @@ def build_schema(cfg: ExtractConfig, identity: TargetIdentity) -> tuple[pa.Schem
     provs = [
         TensorProvenance(
             capture_point=p, boundary=boundary_label(p, n), dtype=cfg.engine.dtype, hidden_size=identity.hidden_size,
-            encoding=ENCODING, engine=hf_engine_ref(p, n), target_model=identity.model_name, target_key=identity.key,
+            encoding=ENCODING, engine=engine_ref(cfg, p, n), target_model=identity.model_name, target_key=identity.key,
         )
         for p in cfg.capture
     ]
@@ -159,7 +159,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     )
     manifest.reconcile()
     if cfg.fingerprint.probe_samples:
-        manifest.fingerprints = _fingerprint(cfg, manifest)
+        manifest.fingerprints = fingerprint_dataset(cfg, manifest)
     atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())
     _cleanup_tmp(fs, root)
     t = manifest.totals
@@ -171,7 +171,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     return manifest
 
 
-def _fingerprint(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
+def fingerprint_dataset(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
     """Fingerprint probe samples from the committed shards (the values training will read)."""
     from pipeline import fingerprint
 
@@ -231,21 +231,30 @@ def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], pr
 
 def _run_in_process(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
     actor = CaptureActor(cfg.model_dump_json(), schema)
-    for item in tqdm(payload, desc="extract", unit="shard", disable=not progress):
-        tu = tokenize_unit(cfg, item["unit"], item["start"], item["rows"])
-        yield actor.writer.process(tu)
+    try:
+        for item in tqdm(payload, desc="extract", unit="shard", disable=not progress):
+            tu = tokenize_unit(cfg, item["unit"], item["start"], item["rows"])
+            yield actor.writer.process(tu)
+    finally:
+        actor.close()
 
 
 class CaptureActor:
     """Ray Data actor: loads the engine once, then commits one unit per call."""
 
     def __init__(self, cfg_json: str, schema: pa.Schema):
-        from pipeline.engines.hf import HFEngine
+        from pipeline.engines import open_engine
 
         cfg = ExtractConfig.model_validate_json(cfg_json)
-        e = cfg.engine
-        engine = HFEngine(cfg.target.path, cfg.capture, e.dtype, e.device, e.attn_implementation, e.batch_tokens)
+        engine = open_engine(cfg)
+        self.engine = engine
         self.writer = UnitWriter(cfg, schema, engine)
+
+    def close(self) -> None:
+        """Release the engine (vLLM/SGLang run their own processes)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def __call__(self, batch: dict) -> dict:
         records = []

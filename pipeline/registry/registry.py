@@ -92,6 +92,32 @@ class Registry:
                                    actor=_actor()))
         return manifest
 
+    def fetch_artifact(self, digest: str, dest: str | Path) -> Path:
+        """Download an artifact into ``dest`` (a new directory) and check its content digest."""
+        from pipeline.draft.export import content_digest
+
+        m = self.artifact(digest)
+        if m is None:
+            raise KeyError(f"artifact {digest[:16]} is not in the registry")
+        d = Path(dest)
+        d.mkdir(parents=True, exist_ok=True)
+        extra = [m.fingerprints["path"]] if m.fingerprints else []
+        for name in [*ARTIFACT_FILES, *extra]:
+            got = self.store.get(f"artifacts/{digest}/{name}")
+            if got is None:
+                raise FileNotFoundError(f"artifact {digest[:16]} lacks {name} in the registry")
+            (d / name).write_bytes(got[0])
+        if content_digest(d) != digest:
+            raise ValueError(f"artifact {digest[:16]} fetched from the registry does not match its digest")
+        return d
+
+    def record_run(self, record) -> None:
+        """A retrain pass's run record (schemas.retrain.RunRecord), in the audit log."""
+        self._audit(AuditEntry(action="retrain", decision="refused" if record.outcome in ("refused", "failed") else
+                               "accepted", channel=record.channel, artifact_digest=record.artifact_digest,
+                               reasons=[record.message, *record.reasons], actor=_actor(),
+                               details=record.model_dump(mode="json")))
+
     def artifact(self, digest: str) -> DraftArtifactManifest | None:
         got = self.store.get(f"artifacts/{digest}/{ARTIFACT_MANIFEST}")
         return DraftArtifactManifest.model_validate_json(got[0]) if got else None

@@ -25,6 +25,7 @@ class ObjectStore(Protocol):
     def get(self, key: str) -> tuple[bytes, str] | None: ...
     def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str: ...
     def list(self, prefix: str) -> list[str]: ...
+    def delete(self, key: str, *, if_match: str | None = None) -> None: ...
 
 
 class LocalStore:
@@ -67,6 +68,20 @@ class LocalStore:
                 os.fsync(f.fileno())
             os.replace(tmp, p)
         return hashlib.sha256(data).hexdigest()
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        p = self._path(key)
+        lock = p.parent / f".{p.name}.lock"
+        if not p.parent.exists():
+            return
+        with open(lock, "a+") as lf:
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            cur = self.get(key)
+            if cur is None:
+                return
+            if if_match is not None and cur[1] != if_match:
+                raise PreconditionFailed(f"{key} changed since it was read")
+            p.unlink()
 
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix
@@ -117,6 +132,21 @@ class S3Store:
                 raise PreconditionFailed(f"{key}: {code}") from None
             raise
         return r["ETag"]
+
+    def delete(self, key: str, *, if_match: str | None = None) -> None:
+        from botocore.exceptions import ClientError
+
+        kw = {"IfMatch": if_match} if if_match is not None else {}
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self._key(key), **kw)
+        except ClientError as e:
+            code = e.response["Error"]["Code"]
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("NoSuchKey",) or status == 404:
+                return
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                raise PreconditionFailed(f"{key}: {code}") from None
+            raise
 
     def list(self, prefix: str) -> list[str]:
         out = []

@@ -43,7 +43,8 @@ def resolve(uri: str, s3: object | None = None) -> tuple[pafs.FileSystem, str]:
 
 
 def join(base: str, *parts: str) -> str:
-    return posixpath.join(base, *parts)
+    """Path join that resolves ``..`` (dataset versions point at their parents' shards)."""
+    return posixpath.normpath(posixpath.join(base, *parts))
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:

@@ -13,6 +13,7 @@ import os
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,8 +55,11 @@ def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+PLAN_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
+
+
 def ds_config(cfg: TrainConfig) -> dict:
-    return {
+    out = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.optim.grad_clip,
@@ -64,6 +68,19 @@ def ds_config(cfg: TrainConfig) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if cfg.deepspeed.config_file:
+        extra = json.loads(Path(cfg.deepspeed.config_file).read_text())
+        clash = sorted(k for k in extra if k in PLAN_KEYS)
+        if clash:
+            raise ValueError(f"{cfg.deepspeed.config_file}: {clash} are set by Strata's training plan "
+                             "(batch_tokens, optim.grad_clip); remove them from the DeepSpeed file")
+        stage = extra.get("zero_optimization", {}).get("stage", cfg.deepspeed.zero_stage)
+        if stage != cfg.deepspeed.zero_stage:
+            raise ValueError(f"{cfg.deepspeed.config_file}: zero_optimization.stage {stage} disagrees with "
+                             f"deepspeed.zero_stage {cfg.deepspeed.zero_stage} (checkpoints record the stage)")
+        for k, v in extra.items():
+            out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def build_model(plan: RunPlan, cfg: TrainConfig, device: torch.device) -> Eagle3Draft:
@@ -77,6 +94,13 @@ def build_model(plan: RunPlan, cfg: TrainConfig, device: torch.device) -> Eagle3
     v = load_file(vocab_local)
     model.d2t.copy_(v["d2t"])
     model.t2d.copy_(v["t2d"])
+    if cfg.init_from:  # warm start (checked against this run in trainer.prepare)
+        from pipeline.draft.export import WEIGHTS
+
+        start = load_file(os.path.join(cfg.init_from, WEIGHTS))
+        missing, unexpected = model.load_state_dict(start, strict=False)
+        if unexpected or not set(missing) <= {"embed_tokens.weight", "d2t"}:
+            raise ValueError(f"init_from {cfg.init_from}: weights do not fit: missing {missing}, unexpected {unexpected}")
     return model.to(device)
 
 

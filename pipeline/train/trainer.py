@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,14 +78,17 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     reader.points = [str(p) for p in aux] + [str(final)]
     target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
     fs, root = resolve(cfg.output, cfg.s3)
-    counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
-    ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+    if cfg.init_from:
+        ids, d2t, t2d = warm_start_vocab(cfg, identity, aux, target_cfg)
+    else:
+        counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
+        ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
     tmp = tempfile.mkdtemp(prefix="strata-vocab-")
     save_file({"ids": ids, "d2t": d2t, "t2d": t2d}, os.path.join(tmp, "vocab.safetensors"))
     publish_local_file(os.path.join(tmp, "vocab.safetensors"), fs, join(root, "vocab.safetensors"))
     refs = index_samples(reader)
     train, held = split_eval(refs, cfg.eval_fraction)
-    draft = DraftConfig.from_target(target_cfg, len(aux), cfg.draft_vocab_size)
+    draft = DraftConfig.from_target(target_cfg, len(aux), int(ids.numel()))
     resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
     log.info(
         "draft: %d aux slots %s, final %s%s; vocab %d of %d; %d train / %d eval samples; %s",
@@ -104,6 +108,31 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     run = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("train_refs", "eval_refs")}
     atomic_write_bytes(fs, join(root, RUN_FILE), json.dumps(run, indent=1).encode())
     return plan
+
+
+def warm_start_vocab(cfg: TrainConfig, identity, aux: list[CapturePoint], target_cfg: dict):
+    """The starting draft's vocab, after checking it can start this run (else a clear error)."""
+    from pipeline.draft.export import WEIGHTS
+    from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+
+    art = Path(cfg.init_from)  # type: ignore[arg-type]
+    m = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text())
+    why = []
+    if m.target.key != identity.key:
+        why.append(f"it was trained for target {m.target.describe()}, this run trains for {identity.describe()}")
+    if [str(p) for p in m.aux_capture_points] != [str(p) for p in aux]:
+        why.append(f"its aux points are {[str(p) for p in m.aux_capture_points]}, this run's {[str(p) for p in aux]}")
+    shape = DraftConfig.from_target(target_cfg, len(aux), m.draft_config["draft_vocab_size"]).to_dict()
+    if shape != m.draft_config:
+        why.append("its draft shape differs from the one this target gives")
+    if why:
+        raise ValueError(f"init_from {art}: cannot warm-start from this draft: {'; '.join(why)}")
+    sd = load_file(str(art / WEIGHTS))
+    t2d = sd["t2d"].bool()
+    ids = t2d.nonzero().flatten()
+    d2t = sd["d2t"] if "d2t" in sd else torch.zeros(ids.numel(), dtype=torch.long)
+    log.info("warm start from %s (%s)", art, m.content_digest[:16])
+    return ids, d2t, t2d
 
 
 def _token_masks(reader: DatasetReader):

@@ -33,7 +33,7 @@ def check_slots(
     out = []
     for s, t in enumerate(trained):
         ref = fingerprints[str(t)]
-        errs = {str(b): rel_l2(replayed[str(b)], ref) for b in boundaries}
+        errs = {str(b): rel_l2(replayed[str(b)], ref) for b in boundaries if str(b) in replayed}
         best = min(errs, key=errs.get)
         f = fed[s] if s < len(fed) else None
         if f is None:

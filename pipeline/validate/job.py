@@ -2,8 +2,9 @@
 compare what it would feed the draft with the training fingerprints, check identities,
 measure acceptance, and decide pass/block -- with a report a person can act on.
 
-The replay engine here is HF transformers (forward hooks); the serving engine's id-reading
-rules (vLLM, SGLang) come from ``pipeline.conventions``. Real-engine replay is issue 5.
+Replay and acceptance run through the serving engine itself (``serving.replay: engine``) or
+through HF transformers where that engine cannot run (``replay: hf``); what the engine
+feeds each slot always follows its id-reading rules in ``pipeline.conventions``.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import logging
 import uuid
 from pathlib import Path
 
-import torch
-
 from pipeline import conventions
-from pipeline.fingerprint import FINGERPRINTS_FILE, Fingerprints, projection, sketch
+from pipeline.engines.errors import EngineUnavailable
+from pipeline.fingerprint import Fingerprints
 from pipeline.identity import target_identity
 from pipeline.validate.gate import check_slots, fix_hint, label
-from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from pipeline.validate.replay import replay
+from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.registry import ServingConfig
 from schemas.validation import Check, ValidateConfig, ValidationReport
 
@@ -58,7 +59,7 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
     if not (art / ARTIFACT_MANIFEST).exists():
         raise ValidationInputError(f"{art}: no {ARTIFACT_MANIFEST}; expected a draft exported by `strata export`")
     manifest = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text())
-    if not manifest.fingerprints or not (art / FINGERPRINTS_FILE).exists():
+    if not manifest.fingerprints or not (art / ARTIFACT_FINGERPRINTS).exists():
         raise ValidationInputError(f"{art}: the artifact carries no training fingerprints; re-export it from a dataset "
                                    "extracted with fingerprint.probe_samples > 0")
     draft_cfg_path = Path(cfg.serving.draft_config) if cfg.serving.draft_config else art / "config.json"
@@ -100,32 +101,39 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         reasons.append(f"{cfg.serving.engine} would feed {len(fed)} aux states, the draft was trained on {len(trained)}")
 
     # 3. Replay the probe samples through the serving target, in the serving dtype.
-    fp = Fingerprints.load(str(art))
-    replayed = replay(cfg, fp, n)
+    fp = Fingerprints.load(str(art), name=ARTIFACT_FINGERPRINTS)
+    try:
+        replayed = replay(cfg, fp, n)
+    except EngineUnavailable as e:
+        raise ValidationInputError(f"replay through {cfg.serving.engine} is not possible here: {e}; set "
+                                   "serving.replay: hf to replay through HF transformers with its reading rules") from None
     slots = check_slots(trained, fed, fp.sketches, replayed, n, cfg.tolerances)
     bad = [s for s in slots if not s.ok]
     for s in bad:
         reasons.append(s.message)
     if bad:
+        if ids is not None:
+            reasons.append(f"{cfg.serving.engine} reads ids {ids} from {key} of {draft_cfg_path.name}")
         reasons.append(fix_hint(trained, cfg.serving.engine, n, family))
 
-    # 4. Acceptance through reference speculative decoding with the points the engine feeds.
-    acceptance = measure_acceptance(cfg, manifest, art, fp, fed) if fed and len(fed) == len(trained) else {
-        "skipped": "the engine would not feed the draft's slots"}
-    if "mean_acceptance_length" in acceptance:
-        if acceptance["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
-            reasons.append(f"mean acceptance length {acceptance['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}")
-        pred = acceptance.get("predicted_accepted_per_step")
-        if pred and acceptance["accepted_per_step"] < cfg.tolerances.acceptance_vs_predicted * pred:
-            reasons.append(f"accepted tokens per step {acceptance['accepted_per_step']:.2f} is far below the "
+    # 4. Acceptance, served as configured, next to the reference implementation's.
+    accept = measure_acceptance(cfg, manifest, art, draft_cfg_path, fp, fed, trained, blocked=bool(bad))
+    if "mean_acceptance_length" in accept:
+        if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
+            reasons.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}")
+        pred = accept.get("predicted_accepted_per_step")
+        if pred and accept["accepted_per_step"] < cfg.tolerances.acceptance_vs_predicted * pred:
+            reasons.append(f"accepted tokens per step {accept['accepted_per_step']:.2f} is far below the "
                            f"{pred:.2f} training accuracy predicts")
+        if not accept["lossless"]:
+            reasons.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
 
     sc = serving_config(cfg, draft_cfg_bytes, serving_id.key, family)
     matched = [s.errors[s.best] for s in slots]
     report = ValidationReport(
         decision="block" if reasons else "pass", reasons=reasons, artifact_digest=manifest.content_digest,
         serving_key=sc.key, serving=sc.model_dump(mode="json") | {"attn_implementation": cfg.serving.attn_implementation},
-        engine_reads=engine_reads, slots=slots, identity=identity, acceptance=acceptance,
+        engine_reads=engine_reads, slots=slots, identity=identity, acceptance=accept,
         tolerances=cfg.tolerances.model_dump(),
         calibration={"matched_rel_l2": matched, "nearest_other_rel_l2": [
             sorted(v for k, v in s.errors.items() if k != s.best)[0] for s in slots],
@@ -142,61 +150,24 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
     return report
 
 
-@torch.no_grad()
-def replay(cfg: ValidateConfig, fp: Fingerprints, n: int) -> dict[str, torch.Tensor]:
-    """Sketches of every boundary r_0..r_N and final post-norm for the probe samples."""
-    from pipeline.engines.hf import HFEngine
-    from pipeline.store.encoding import bits_to_torch, join_planes
-
-    points = conventions.all_boundaries(n)
-    eng = HFEngine(cfg.serving.target.path, points, cfg.serving.dtype, "auto", cfg.serving.attn_implementation)
-    proj = projection(eng.hidden_size, fp.dim, fp.seed)
-    out: dict[str, list[torch.Tensor]] = {str(p): [] for p in points}
-    for i in range(len(fp.sample_ids)):
-        b = eng.capture([fp.tokens(i)])  # one sequence per forward, like nothing else in the batch
-        for p in points:
-            x = bits_to_torch(join_planes(list(b.planes[str(p)])), cfg.serving.dtype)
-            out[str(p)].append(sketch(x, proj)[0])
-    eng.close()
-    return {k: torch.cat(v) for k, v in out.items()}
-
-
-def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art: Path, fp: Fingerprints,
-                       fed: list) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.draft.export import load_draft
-    from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
+def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art: Path, draft_cfg_path: Path,
+                       fp: Fingerprints, fed: list, trained: list, blocked: bool) -> dict:
+    from pipeline.validate import acceptance
 
     if cfg.acceptance_prompts == 0:
         return {"skipped": "acceptance_prompts = 0"}
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.serving.dtype]
-    target = AutoModelForCausalLM.from_pretrained(cfg.serving.target.path, dtype=dtype, local_files_only=True)
-    draft = load_draft(art, cfg.serving.target.path, dtype=dtype)
-    runner = TargetRunner(target, fed)
-    k = cfg.speculative_tokens
-    per_pos = [0] * k
-    steps = accepted = 0
-    lossless = True
-    for i in range(min(cfg.acceptance_prompts, len(fp.sample_ids))):
-        toks = fp.tokens(i)
-        prompt = toks[: max(4, min(48, len(toks) // 2))]
-        res = speculative_generate(runner, draft, prompt, cfg.max_new_tokens, k)
-        lossless &= res.tokens == greedy_generate(target, prompt, cfg.max_new_tokens)
-        steps += res.verify_steps
-        accepted += res.accepted_tokens
-        per_pos = [a + b for a, b in zip(per_pos, res.accepted_per_pos, strict=True)]
-    acc = (manifest.metrics.get("eval") or {}).get("acc_per_pos") or []
-    predicted = None
-    if acc:
-        prod, predicted = 1.0, 0.0
-        for a in acc[:k]:
-            prod *= a
-            predicted += prod
-    return {"verify_steps": steps, "accepted_per_step": accepted / max(steps, 1),
-            "mean_acceptance_length": 1 + accepted / max(steps, 1),
-            "acceptance_per_pos": [a / max(steps, 1) for a in per_pos], "lossless": lossless, "k": k,
-            "predicted_accepted_per_step": predicted}
+    if not fed or len(fed) != len(trained):
+        return {"skipped": "the engine would not feed the draft's slots"}
+    if blocked and cfg.serving.replay == "engine":
+        return {"skipped": f"not served through {cfg.serving.engine}: the slot check already blocks this configuration"}
+    ps = acceptance.prompts(cfg, fp)
+    ref = acceptance.reference(cfg, art, ps, fed)
+    if cfg.serving.replay == "engine":
+        served = getattr(acceptance, cfg.serving.engine)(cfg, art, draft_cfg_path, ps)
+        out = {**served, "reference": ref}
+    else:
+        out = ref
+    return {**out, "predicted_accepted_per_step": acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens)}
 
 
 def record(cfg: ValidateConfig, report: ValidationReport, sc: ServingConfig, art: Path) -> None:

@@ -20,8 +20,13 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     lines += [f"{indent}BAD identity {c.message}" for c in r.identity if not c.ok]
     if "mean_acceptance_length" in r.acceptance:
         a = r.acceptance
-        lines.append(f"{indent}acceptance: mean length {a['mean_acceptance_length']:.2f} (k={a['k']}), per position "
-                     f"{[round(x, 2) for x in a['acceptance_per_pos']]}, lossless {a['lossless']}")
+        per_pos = [round(x, 2) for x in a["acceptance_per_pos"]] if a.get("acceptance_per_pos") else "n/a"
+        lines.append(f"{indent}acceptance ({a.get('measured_by', 'reference')}): mean length "
+                     f"{a['mean_acceptance_length']:.2f} (k={a['k']}), per position {per_pos}, lossless {a['lossless']}")
+        if "reference" in a:
+            ref = a["reference"]
+            lines.append(f"{indent}  reference implementation: mean length {ref['mean_acceptance_length']:.2f}, "
+                         f"per position {[round(x, 2) for x in ref['acceptance_per_pos']]}")
     lines += [f"{indent}- {x}" for x in r.reasons]
     if r.report_dir:
         lines.append(f"{indent}report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")

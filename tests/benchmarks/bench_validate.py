@@ -46,7 +46,7 @@ def main() -> None:
         t0 = time.perf_counter()
         r = run_validate(ValidateConfig.model_validate({
             "artifact": str(root / "run/export/vllm"), "acceptance_prompts": 6,
-            "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(target)}}}))
+            "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(target)}}}))
         times.append(time.perf_counter() - t0)
     result = {
         "benchmark": "validate", "host": platform.node(), "cpu_count": os.cpu_count(),

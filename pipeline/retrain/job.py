@@ -1,0 +1,177 @@
+"""One retrain pass, and the loop that repeats it.
+
+Under a lease (one scheduler per name): find the source rows not yet extracted for this
+target identity, extract only those into a new dataset version (a new target revision
+starts a new lineage, so everything is re-extracted and identities never mix), train --
+warm from the channel's draft when target and capture points are unchanged -- validate
+against the channel's serving configuration, and promote only through the gate. Every pass
+writes a run record to the registry's audit log, including the ones that do nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import signal
+import tempfile
+import threading
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pipeline.identity import target_identity
+from pipeline.registry.registry import PromotionRefused, Registry
+from pipeline.registry.store import open_store
+from pipeline.retrain import versions
+from pipeline.retrain.lease import Lease, LeaseHeld
+from schemas.retrain import RetrainConfig, RunRecord
+
+log = logging.getLogger(__name__)
+
+
+class RetrainError(RuntimeError):
+    pass
+
+
+def _completed_runs(reg: Registry, cfg: RetrainConfig) -> list[dict]:
+    return [e.details for e in reg.history(cfg.channel)
+            if e.action == "retrain" and e.details and e.details.get("name") == cfg.name
+            and e.details.get("outcome") in ("promoted", "blocked", "refused")]
+
+
+def run_retrain(cfg: RetrainConfig, progress: bool = True) -> RunRecord:
+    """One idempotent pass. Raises LeaseHeld when another scheduler is running."""
+    reg = Registry(open_store(cfg.registry, cfg.s3.endpoint_url))
+    spec = reg.channel_spec(cfg.channel)
+    if spec is None:
+        raise RetrainError(f"channel {cfg.channel!r} does not exist in {cfg.registry}: create it with "
+                           "`strata registry create-channel` (its serving configuration) first")
+    run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
+    with Lease(reg.store, f"retrain-{cfg.name}", cfg.lease_ttl_s, run_id) as lease:
+        try:
+            record = _pass(cfg, reg, spec, run_id, lease, progress)
+        except Exception as e:
+            reg.record_run(RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key="", outcome="failed",
+                                     message=f"{type(e).__name__}: {e}"))
+            raise
+        reg.record_run(record)
+    log.info("retrain %s: %s - %s", run_id, record.outcome, record.message)
+    return record
+
+
+def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, progress: bool) -> RunRecord:
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    pointer, _ = reg.pointer(cfg.channel)
+    current = reg.artifact(pointer.artifact_digest) if pointer else None
+    changed = current is not None and current.target.key != identity.key
+    lineage = versions.lineage_uri(cfg.data_root, identity)
+    latest = versions.latest_version(lineage, cfg.s3)
+    seen = versions.seen_digests(latest[1], cfg.s3) if latest else set()
+    source_rows, fresh, digests = versions.new_rows(cfg, seen)
+    rec = RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key=identity.key, outcome="noop",
+                    message="", source_rows=source_rows, new_rows=len(fresh), identity_changed=changed)
+    if changed:
+        log.info("target identity changed (%s -> %s): a new lineage, everything is extracted again",
+                 current.target.key[:12], identity.key[:12])  # type: ignore[union-attr]
+    done = {r.get("dataset_id") for r in _completed_runs(reg, cfg)}
+    if not fresh and latest is not None and latest[0].dataset_id in done:
+        rec.dataset_id, rec.dataset_version = latest[0].dataset_id, latest[0].version
+        rec.message = (f"nothing new: all {source_rows} source rows are in {latest[0].dataset_id}, which a previous "
+                       "run already trained and validated; no extraction, no training")
+        return rec
+    if fresh:
+        version, uri = versions.build_version(cfg, identity, lineage, latest, fresh, source_rows, digests, progress)
+        rec.extracted_rows = len(fresh)
+    else:
+        version, uri = latest  # type: ignore[misc]  # extracted by a run that did not finish training
+    rec.dataset_id, rec.dataset_version = version.dataset_id, version.version
+
+    out = posixpath.join(cfg.data_root.rstrip("/"), "runs", run_id)
+    init_from = None
+    with tempfile.TemporaryDirectory(prefix="strata-warm-") as tmp:
+        if cfg.warm_start and current is not None and not changed:
+            tcfg = cfg.train_config(uri, out, None)
+            wanted = [str(p) for p in tcfg.aux] if tcfg.aux else None
+            if wanted is None or wanted == [str(p) for p in current.aux_capture_points]:
+                init_from = str(reg.fetch_artifact(current.content_digest, Path(tmp) / "start"))
+                rec.warm_start_from = current.content_digest
+        from pipeline.train.trainer import run_train
+
+        run_train(cfg.train_config(uri, out, init_from), use_ray=cfg.use_ray)
+    rec.trained = True
+    artifact = _local_artifact(out, spec.serving.engine, cfg)
+    from pipeline.validate.job import run_validate
+
+    report = run_validate(cfg.validate_config(str(artifact)))
+    rec.artifact_digest, rec.decision = report.artifact_digest, report.decision
+    rec.reasons = list(report.reasons)
+    lease.check()
+    if report.decision != "pass":
+        rec.outcome = "blocked"
+        rec.message = f"validation blocked {report.artifact_digest[:16]}; channel {cfg.channel} unchanged"
+        return rec
+    try:
+        reg.promote(report.artifact_digest, cfg.channel)
+    except PromotionRefused as e:
+        rec.outcome, rec.reasons = "refused", list(e.reasons)
+        rec.message = f"the gate refused {report.artifact_digest[:16]} for {cfg.channel}; channel unchanged"
+        return rec
+    rec.outcome = "promoted"
+    rec.message = (f"{cfg.channel} -> {report.artifact_digest[:16]}: {rec.extracted_rows} rows extracted, trained "
+                   f"{'warm from ' + rec.warm_start_from[:16] if rec.warm_start_from else 'from scratch'} on "
+                   f"{version.dataset_id}")
+    return rec
+
+
+def _local_artifact(run_out: str, engine: str, cfg: RetrainConfig) -> Path:
+    """The exported draft for the channel's engine, as a local directory (validation reads it)."""
+    if not run_out.startswith("s3://"):
+        return Path(run_out) / "export" / engine
+    from pipeline.store.fs import list_files, read_bytes, resolve
+
+    fs, root = resolve(posixpath.join(run_out, "export", engine), cfg.s3)
+    dest = Path(tempfile.mkdtemp(prefix="strata-artifact-"))
+    for path in list_files(fs, root):
+        (dest / posixpath.basename(path)).write_bytes(read_bytes(fs, path))
+    return dest
+
+
+def parse_every(text: str) -> float:
+    """'6h', '30m', '45s', '1d' -> seconds."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        value = float(text[:-1]) * units[text[-1]]
+    except (KeyError, ValueError, IndexError):
+        raise ValueError(f"--every {text!r}: expected a number and a unit s/m/h/d, e.g. 6h") from None
+    if value <= 0:
+        raise ValueError(f"--every {text!r}: must be positive")
+    return value
+
+
+def run_forever(cfg: RetrainConfig, every_s: float, progress: bool = False, max_runs: int | None = None) -> int:
+    """Repeat passes every ``every_s``; SIGTERM/SIGINT finish the current pass, then stop."""
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("signal %d: stopping after the current pass", signum)
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    runs = 0
+    try:
+        while not stop.is_set():
+            try:
+                run_retrain(cfg, progress)
+            except LeaseHeld as e:
+                log.warning("skipping this pass: %s", e)
+            except Exception:  # noqa: BLE001 - a scheduler survives a failed pass and tries again
+                log.exception("retrain pass failed; next pass in %.0f s", every_s)
+            runs += 1
+            if max_runs is not None and runs >= max_runs:
+                break
+            stop.wait(every_s)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    log.info("retrain scheduler stopped after %d passes", runs)
+    return 0

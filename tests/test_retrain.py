@@ -1,0 +1,234 @@
+"""Scheduled retraining: incremental extraction into dataset versions, warm starts, the
+gate, run records, and the lease that keeps two schedulers from running at once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeline.cli import main as strata
+from pipeline.registry.registry import Registry
+from pipeline.registry.store import LocalStore, open_store
+from pipeline.retrain import versions
+from pipeline.retrain.job import parse_every, run_retrain
+from pipeline.retrain.lease import Lease, LeaseHeld
+from pipeline.store.reader import DatasetReader, load_manifest
+from schemas.retrain import RetrainConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def retrain_config(root, target, source, **over) -> RetrainConfig:
+    raw = {
+        "name": "tiny", "target": {"path": str(target)}, "source": {"uri": str(source)},
+        "data_root": str(root / "data"), "registry": str(root / "registry"), "channel": "production",
+        "use_ray": False,
+        "extract": {"capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+                    "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"},
+                    "output": {"rows_per_shard": 16}, "fingerprint": {"probe_samples": 4}},
+        "train": {"draft_vocab_size": 4096, "ttt_steps": 2, "batch_tokens": 1024, "epochs": 1, "num_workers": 1,
+                  "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 1},
+                  "deepspeed": {"zero_stage": 1, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]}},
+        "validate": {"serving": {"engine": "vllm", "replay": "hf", "dtype": "float32"}, "acceptance_prompts": 1,
+                     "max_new_tokens": 8, "tolerances": {"acceptance_vs_predicted": 0.0}},
+        **over,
+    }
+    return RetrainConfig.model_validate(raw)
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(scope="module")
+def convs():
+    from pipeline.tiny import make_conversations
+
+    return make_conversations(70)
+
+
+def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
+    src = tmp_path / "conv.jsonl"
+    write_rows(src, convs[:50])
+    cfg = retrain_config(tmp_path, tiny_target, src)
+    reg = Registry(open_store(cfg.registry))
+    with pytest.raises(Exception, match="create it with `strata registry create-channel`"):
+        run_retrain(cfg, progress=False)
+
+    # The channel deploys vLLM fp32 on this target with the config.json Strata exports.
+    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+
+    r1 = run_retrain(cfg, progress=False)
+    assert r1.outcome == "promoted", (r1.message, r1.reasons)
+    assert (r1.source_rows, r1.new_rows, r1.extracted_rows, r1.dataset_version) == (50, 50, 50, 1)
+    assert r1.trained and r1.warm_start_from is None and not r1.identity_changed
+    assert reg.pointer("production")[0].artifact_digest == r1.artifact_digest
+
+    write_rows(src, convs[:50] + convs[50:62])  # 12 new rows arrive
+    r2 = run_retrain(cfg, progress=False)
+    assert r2.outcome == "promoted", (r2.message, r2.reasons)
+    assert (r2.source_rows, r2.new_rows, r2.extracted_rows, r2.dataset_version) == (62, 12, 12, 2)
+    assert r2.warm_start_from == r1.artifact_digest and r2.artifact_digest != r1.artifact_digest
+    assert reg.pointer("production")[0].artifact_digest == r2.artifact_digest
+
+    lineage = _lineage(cfg, tiny_target)
+    v1, v2 = versions.version_uri(lineage, 1), versions.version_uri(lineage, 2)
+    m1, m2 = load_manifest(v1), load_manifest(v2)
+    assert m2.parents == [m1.dataset_id] and m2.totals.rows == m1.totals.rows + 12
+    inherited = [s for s in m2.shards if s.inherited_from]
+    assert len(inherited) == len(m1.shards) and all(s.path.startswith("../v0001/part/") for s in inherited if s.path)
+    # Not copied: v0002 holds only the 12 new rows' shards.
+    assert load_manifest(v2 + "/part").totals.rows == 12
+    reader = DatasetReader(v2)
+    reader.verify_all()
+    assert sum(1 for _ in reader.iter_samples()) == 62
+
+    r3 = run_retrain(cfg, progress=False)
+    assert r3.outcome == "noop" and "nothing new" in r3.message and not r3.trained and r3.extracted_rows == 0
+    assert versions.latest_version(lineage)[0].version == 2
+    assert reg.pointer("production")[0].artifact_digest == r2.artifact_digest
+    runs = [e.details for e in reg.history("production") if e.action == "retrain"]
+    assert [r["outcome"] for r in runs] == ["promoted", "promoted", "noop"]
+    assert runs[1]["new_rows"] == 12 and runs[1]["warm_start_from"] == r1.artifact_digest
+
+    # A new target revision: everything is extracted again into its own lineage, trained from
+    # scratch, and the channel (bound to the old target) refuses it.
+    other = tmp_path / "target-r2"
+    from pipeline.tiny import make_tiny_target
+
+    make_tiny_target(other, num_layers=6, hidden_size=64, seed=11)
+    cfg2 = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(other)})})
+    r4 = run_retrain(cfg2, progress=False)
+    assert r4.identity_changed and r4.extracted_rows == 62 and r4.warm_start_from is None
+    assert r4.outcome == "refused" and "serving configuration" in " ".join(r4.reasons)
+    assert reg.pointer("production")[0].artifact_digest == r2.artifact_digest
+    lineage2 = _lineage(cfg2, other)
+    assert lineage2 != lineage
+    m4 = load_manifest(versions.version_uri(lineage2, 1))
+    assert m4.parents == [] and not any(".." in (s.path or "") for s in m4.shards)
+    assert m4.target.key != m2.target.key
+
+
+def _lineage(cfg, target):
+    from pipeline.identity import target_identity
+
+    return versions.lineage_uri(cfg.data_root, target_identity(target))
+
+
+def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target, tmp_path) -> None:
+    """Channel spec = vLLM fp32 on ``target`` reading the config.json Strata writes for this
+    draft shape (taken from a throwaway export)."""
+    import hashlib
+
+    from pipeline.draft.export import engine_config
+    from pipeline.draft.model import DraftConfig
+    from pipeline.identity import target_identity
+    from schemas.capture import parse_points
+    from schemas.registry import ServingConfig
+
+    ident = target_identity(target)
+    tcfg = json.loads((target / "config.json").read_text())
+    draft = DraftConfig.from_target(tcfg, 3, min(4096, tcfg["vocab_size"]))
+    body = json.dumps(engine_config(draft, parse_points(["layer_output:1", "layer_output:2", "layer_output:3"]),
+                                    ident.num_layers, "vllm", "llama", "float32"), indent=1).encode()
+    reg.create_channel("production", ServingConfig(
+        engine="vllm", engine_version="0.32.0", dtype="float32", draft_config_sha256=hashlib.sha256(body).hexdigest(),
+        target_key=ident.key))
+
+
+def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_path):
+    src = tmp_path / "conv.jsonl"
+    write_rows(src, convs[:30])
+    cfg = retrain_config(tmp_path, tiny_target, src)
+    cfg = cfg.model_copy(update={"validate_": {**cfg.validate_, "tolerances": {"acceptance_floor": 3.9,
+                                                                               "acceptance_vs_predicted": 0.0}}})
+    reg = Registry(open_store(cfg.registry))
+    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+    r = run_retrain(cfg, progress=False)
+    assert r.outcome == "blocked" and r.decision == "block"
+    assert any("< floor 3.9" in x for x in r.reasons)
+    assert reg.pointer("production")[0] is None
+    rec = [e for e in reg.history("production") if e.action == "retrain"][-1]
+    assert rec.details["outcome"] == "blocked" and any("floor" in x for x in rec.reasons)
+    again = run_retrain(cfg, progress=False)
+    assert again.outcome == "noop" and not again.trained
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_lease_one_winner_expiry_and_release(backend, tmp_path, request):
+    if backend == "s3":
+        srv = request.getfixturevalue("s3_server")
+        store = open_store(f"s3://{srv['bucket']}/lease-{time.time_ns()}", srv["endpoint"])
+    else:
+        store = LocalStore(tmp_path / "reg")
+    winners, losers = [], []
+
+    def contend(i):
+        lease = Lease(store, "retrain-x", ttl_s=30, run_id=f"run-{i}")
+        try:
+            lease.acquire()
+            winners.append(lease)
+        except LeaseHeld as e:
+            losers.append(e)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(winners) == 1 and len(losers) == 5
+    assert all(e.holder.run_id == winners[0].record.run_id for e in losers)
+    assert "held by" in str(losers[0]) and winners[0].record.owner in str(losers[0])
+    winners[0].release()
+    with Lease(store, "retrain-x", ttl_s=0.5, run_id="short") as short:
+        short._stop.set()  # simulate a holder that died: it stops renewing
+        time.sleep(1.0)
+        with Lease(store, "retrain-x", ttl_s=30, run_id="taker") as taker:
+            assert taker.record.run_id == "taker"
+        short._etag = None  # its lease was taken over; nothing of its own to release
+
+
+def test_second_scheduler_exits_naming_the_holder(tiny_target, convs, tmp_path, capsys):
+    src = tmp_path / "conv.jsonl"
+    write_rows(src, convs[:10])
+    cfg = retrain_config(tmp_path, tiny_target, src)
+    (tmp_path / "retrain.yaml").write_text(json.dumps(cfg.model_dump(mode="json", by_alias=True)))
+    reg = Registry(open_store(cfg.registry))
+    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+    with Lease(reg.store, "retrain-tiny", ttl_s=60, run_id="first-scheduler") as first:
+        assert strata(["retrain", "--config", str(tmp_path / "retrain.yaml")]) == 75
+        err = capsys.readouterr().err
+        assert "is held by" in err and first.record.owner in err and "first-scheduler" in err
+    assert reg.store.get("leases/retrain-tiny.json") is None  # released on exit
+
+
+def test_every_loop_stops_cleanly_on_sigterm(tmp_path, tiny_target):
+    (tmp_path / "src.jsonl").write_text("")
+    cfg = {"target": {"path": str(tiny_target)}, "source": {"uri": str(tmp_path / "src.jsonl")},
+           "data_root": str(tmp_path / "data"), "registry": str(tmp_path / "reg"), "channel": "missing",
+           "validate": {"serving": {"engine": "vllm", "replay": "hf"}}}
+    (tmp_path / "r.yaml").write_text(json.dumps(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "retrain", "--config", str(tmp_path / "r.yaml"),
+                             "--every", "1s", "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    time.sleep(8)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "does not exist" in err and "stopping after the current pass" in err
+    assert "scheduler stopped after" in err
+
+
+def test_parse_every_and_config_errors(tmp_path):
+    assert parse_every("6h") == 21600 and parse_every("30m") == 1800 and parse_every("45s") == 45
+    with pytest.raises(ValueError, match="expected a number and a unit"):
+        parse_every("6 hours")
+    from schemas.config import ConfigError, validate_config
+
+    with pytest.raises(ConfigError, match="section 'train'"):
+        validate_config({"target": {"path": "/t"}, "source": {"uri": "/s"}, "data_root": "/d", "registry": "/r",
+                         "channel": "c", "train": {"epochs": 0}}, RetrainConfig)

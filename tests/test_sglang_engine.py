@@ -1,0 +1,191 @@
+"""SGLang adapter: everything that can be checked without SGLang (it needs CUDA and cannot
+be imported on these machines) -- exported configs SGLang reads as intended per model
+family, engine arguments, reading of its responses -- plus a GPU-cluster test.
+
+SGLang's capture rules are written out here by hand from its model files (DESIGN §3), not
+computed with ``pipeline.conventions``, so a wrong rule there fails here."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.draft.export import ExportError, export_draft
+from pipeline.draft.model import DraftConfig, Eagle3Draft
+from pipeline.engines import sglang_engine as sg
+from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.identity import target_identity
+from schemas.capture import CapturePoint
+
+lo, E = CapturePoint.layer_output, CapturePoint.embedding()
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def sglang_captures(ids: list[int] | None, family: str, n: int) -> list[int]:
+    """The residual boundaries r_k SGLang captures for a nested id list (from its source)."""
+    if ids is None:
+        return sorted({2, n // 2, n - 3})                 # default loop indices (r-labels)
+    if family in ("llama", "qwen3"):
+        return [i + 1 for i in ids]                       # layers_to_capture = [val + 1 ...]
+    if family == "deepseek_v2":
+        return [i + 1 for i in ids] if ids[0] == 1 else list(ids)
+    if family == "gpt_oss":
+        return list(ids)
+    raise AssertionError(family)
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target):
+    tcfg = json.loads((tiny_target / "config.json").read_text())
+    return Eagle3Draft(DraftConfig.from_target(tcfg, 3, tcfg["vocab_size"])), target_identity(tiny_target)
+
+
+@pytest.mark.parametrize("family, points, nested_ids", [
+    ("llama", [lo(1), lo(2), lo(3)], [1, 2, 3]),
+    ("qwen3", [lo(1), lo(2), lo(3)], [1, 2, 3]),
+    ("deepseek_v2", [lo(1), lo(2), lo(3)], [1, 2, 3]),       # first id 1: read as o-labels (+1)
+    ("deepseek_v2", [lo(2), lo(3), lo(4)], [3, 4, 5]),       # first id not 1: read as r-labels
+    ("gpt_oss", [lo(1), lo(2), lo(5)], [2, 3, 6]),           # r-labels, reaches pre-norm r_N
+])
+def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, points, nested_ids):
+    model, ident = draft
+    conv_family = "llama" if family == "qwen3" else family
+    export_draft(model, tmp_path / "d", "sglang", points, ident, family=conv_family, dtype="float32")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["eagle_config"][AUX_KEY] == nested_ids and AUX_KEY not in cfg
+    n = ident.num_layers
+    assert sglang_captures(cfg["eagle_config"][AUX_KEY], family, n) == [p.boundary(n) for p in points]
+
+
+def test_sglang_families_refuse_what_they_cannot_capture(draft, tmp_path):
+    model, ident = draft
+    with pytest.raises(ExportError, match="cannot capture r_0"):
+        export_draft(model, tmp_path / "a", "sglang", [E, lo(1), lo(2)], ident, family="llama")
+    with pytest.raises(ExportError, match="pre-norm final"):
+        export_draft(model, tmp_path / "b", "sglang", [lo(1), lo(2), lo(5)], ident, family="llama")
+    with pytest.raises(ExportError, match="cannot express this list"):
+        export_draft(model, tmp_path / "c", "sglang", [lo(0), lo(2), lo(3)], ident, family="deepseek_v2")
+
+
+def test_stub_capture_config_and_engine_args(tmp_path, tiny_target):
+    base = {"model_type": "llama", AUX_KEY: [9], "eagle_config": {AUX_KEY: [9]}}
+    out = sg.capture_draft_config([lo(0), lo(2), lo(4)], 6, "llama", base)
+    assert out["eagle_config"][AUX_KEY] == [0, 2, 4] and AUX_KEY not in out
+    assert sglang_captures(out["eagle_config"][AUX_KEY], "llama", 6) == [1, 3, 5]
+    args = sg.engine_args(tiny_target, tmp_path, 3, "bfloat16", tp_size=4)
+    assert args["speculative_algorithm"] == "EAGLE3" and args["speculative_num_steps"] == 3
+    assert args["speculative_num_draft_tokens"] == 4 and args["speculative_eagle_topk"] == 1
+    assert args["tp_size"] == 4 and args["disable_radix_cache"] and args["skip_tokenizer_init"]
+    assert sg.family_for(tiny_target) == "llama" and sg.family_for(tiny_target, "gpt_oss") == "gpt_oss"
+    assert sg.can_capture(lo(2), 6, "llama") and not sg.can_capture(E, 6, "llama")
+    assert sg.can_capture(lo(5), 6, "gpt_oss") and not sg.can_capture(lo(5), 6, "llama")
+
+
+def test_reading_sglang_responses():
+    T, n_ids, H = 5, 3, 8
+    flat = torch.arange(T * n_ids * H, dtype=torch.float32).view(T, n_ids * H)
+    states = sg.parse_hidden_states({"hidden_states": [flat.tolist(), [0.0] * (n_ids * H)]}, T, n_ids, H)
+    assert states.shape == (T, n_ids, H) and torch.equal(states[:, 1], flat[:, H:2 * H])  # slot-major
+    with pytest.raises(EngineError, match=r"shape \(5, 16\).*expected \(5, 24\)"):
+        sg.parse_hidden_states({"hidden_states": [flat[:, :16].tolist()]}, T, n_ids, H)
+    with pytest.raises(EngineError, match="return_hidden_states"):
+        sg.parse_hidden_states({}, T, n_ids, H)
+    acc = sg.acceptance_from_meta([{"spec_verify_ct": 4, "completion_tokens": 10, "spec_accept_length": 2.5},
+                                   {"spec_verify_ct": 6, "completion_tokens": 12, "spec_accept_length": 2.0}], 3)
+    assert acc["verify_steps"] == 10 and acc["mean_acceptance_length"] == pytest.approx(2.2)
+    assert acc["accepted_per_step"] == pytest.approx(1.2) and acc["spec_accept_length_reported"] == 2.25
+    with pytest.raises(EngineError, match="did not run"):
+        sg.acceptance_from_meta([{"completion_tokens": 5}], 3)
+
+
+def test_sglang_replay_without_sglang_is_a_clear_input_error(trained_run, tiny_target):
+    from pipeline.validate.job import ValidationInputError, run_validate
+    from schemas.validation import ValidateConfig
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here; the GPU test covers it")
+    with pytest.raises(EngineUnavailable):
+        sg._sglang()
+    cfg = ValidateConfig.model_validate({"artifact": str(trained_run / "export" / "sglang"), "serving": {
+        "engine": "sglang", "replay": "engine", "dtype": "float32", "target": {"path": str(tiny_target)}}})
+    with pytest.raises(ValidationInputError, match="set serving.replay: hf"):
+        run_validate(cfg)
+
+
+class FakeSGLang:
+    """Stands in for ``sglang`` (which cannot run here): an HF target that captures what
+    SGLang's llama model file captures for the draft config it is given."""
+
+    __version__ = "fake"
+
+    class Engine:
+        def __init__(self, **kw):
+            from transformers import AutoModelForCausalLM
+
+            self.kw = kw
+            self.model = AutoModelForCausalLM.from_pretrained(kw["model_path"], dtype=torch.float32)
+            cfg = json.loads((Path(kw["speculative_draft_model_path"]) / "config.json").read_text())
+            n = self.model.config.num_hidden_layers
+            self.rs = sglang_captures(cfg["eagle_config"][AUX_KEY], "llama", n)
+
+        def generate(self, input_ids, sampling_params, return_hidden_states=False):
+            outs = []
+            for ids in input_ids:
+                hs = self.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+                flat = torch.cat([hs[k][0] for k in self.rs], dim=-1)
+                outs.append({"output_ids": [0], "meta_info": {"hidden_states": [flat.tolist()]}})
+            return outs
+
+        def shutdown(self):
+            self.model = None
+
+
+def test_sglang_capture_plumbing_with_a_fake_engine(tiny_target, monkeypatch):
+    """Stub draft -> nested ids -> SGLang capture -> slots back in the caller's order."""
+    import sys
+
+    from pipeline.engines.hf import HFEngine
+    from pipeline.store.encoding import bits_to_torch, join_planes
+
+    monkeypatch.setitem(sys.modules, "sglang", FakeSGLang)
+    points = [lo(3), lo(0), lo(2)]
+    eng = sg.SGLangEngine(tiny_target, points, dtype="float32")
+    seqs = [list(range(4, 30)), [7, 8, 9, 10]]
+    got = eng.capture(seqs)
+    eng.close()
+    want = HFEngine(tiny_target, points, "float32", "cpu").capture(seqs)
+    for p in points:
+        a = bits_to_torch(join_planes(list(got.planes[str(p)])), "float32")
+        b = bits_to_torch(join_planes(list(want.planes[str(p)])), "float32")
+        assert torch.allclose(a, b, atol=1e-6), p
+    assert eng.engine_ref(lo(0)).native_id == 0 and eng.engine_ref(lo(0)).native_id_convention == "sglang_llama_aux_layer_id"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("sglang")),
+                    reason="SGLang needs a CUDA GPU and the sglang package: run `pytest -m gpu` on a GPU cluster")
+def test_gpu_sglang_capture_matches_hf_and_serves_losslessly(trained_run, tiny_target):
+    from pipeline.engines.hf import HFEngine
+    from pipeline.validate.job import run_validate
+    from schemas.validation import ValidateConfig
+
+    points = [lo(1), lo(2), lo(3)]
+    eng = sg.SGLangEngine(tiny_target, points, dtype="float32")
+    seqs = [list(range(4, 60))]
+    got = eng.capture_tensors(seqs)
+    eng.close()
+    want = HFEngine(tiny_target, points, "float32", "cuda")
+    from pipeline.store.encoding import bits_to_torch, join_planes
+
+    b = want.capture(seqs)
+    for p in points:
+        ref = bits_to_torch(join_planes(list(b.planes[str(p)])), "float32")
+        assert ((got[str(p)][0].cpu() - ref).norm() / ref.norm()) < 1e-4
+    r = run_validate(ValidateConfig.model_validate({
+        "artifact": str(trained_run / "export" / "sglang"), "acceptance_prompts": 4,
+        "tolerances": {"acceptance_vs_predicted": 0.0},
+        "serving": {"engine": "sglang", "replay": "engine", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
+    assert r.decision == "pass", r.reasons
+    assert r.acceptance["lossless"]
