@@ -69,11 +69,7 @@ def test_sglang_families_refuse_what_they_cannot_capture(draft, tmp_path):
         export_draft(model, tmp_path / "c", "sglang", [lo(0), lo(2), lo(3)], ident, family="deepseek_v2")
 
 
-def test_stub_capture_config_and_engine_args(tmp_path, tiny_target):
-    base = {"model_type": "llama", AUX_KEY: [9], "eagle_config": {AUX_KEY: [9]}}
-    out = sg.capture_draft_config([lo(0), lo(2), lo(4)], 6, "llama", base)
-    assert out["eagle_config"][AUX_KEY] == [0, 2, 4] and AUX_KEY not in out
-    assert sglang_captures(out["eagle_config"][AUX_KEY], "llama", 6) == [1, 3, 5]
+def test_engine_args_and_capture_rules(tmp_path, tiny_target):
     args = sg.engine_args(tiny_target, tmp_path, 3, "bfloat16", tp_size=4)
     assert args["speculative_algorithm"] == "EAGLE3" and args["speculative_num_steps"] == 3
     assert args["speculative_num_draft_tokens"] == 4 and args["speculative_eagle_topk"] == 1

@@ -2,8 +2,8 @@
 
 SGLang cannot be imported on the CPU machines Strata is developed on, so this adapter
 is split in two. The pure parts -- which ids to write for a model family (from
-``conventions``), the engine arguments, the stub draft config that carries capture ids,
-and the reading of SGLang's responses -- are tested everywhere. The parts that start
+``conventions``, via the draft export), the engine arguments, and the reading of SGLang's
+responses -- are tested everywhere. The parts that start
 ``sglang.Engine`` run only where SGLang is installed (README, "SGLang on a GPU cluster";
 ``tests/test_sglang_engine.py::test_gpu_*``).
 
@@ -50,15 +50,6 @@ def sglang_engine_ref(point: CapturePoint, num_layers: int, family: conventions.
                       tp_size: int = 1) -> EngineRef:
     return EngineRef(name="sglang", version=version, native_id=conventions.native_id(point, "sglang", num_layers, family),
                      native_id_convention=conventions.native_id_convention("sglang", family), tp_size=tp_size)
-
-
-def capture_draft_config(points: list[CapturePoint], num_layers: int, family: conventions.SGLangFamily,
-                         base: dict) -> dict:
-    """A draft config.json whose nested ids make SGLang capture ``points`` (in this order)."""
-    ids = conventions.aux_ids_for(points, "sglang", num_layers, family)
-    out = {k: v for k, v in base.items() if k not in (conventions.AUX_KEY, "eagle_config")}
-    out["eagle_config"] = {conventions.AUX_KEY: ids, "use_aux_hidden_state": True}
-    return out
 
 
 def engine_args(target_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
