@@ -54,7 +54,9 @@ def test_correct_vllm_config_passes(run_dir, tiny_target, tmp_path, dtype, attn)
     assert r.decision == "pass", r.reasons
     assert r.engine_reads["ids"] == [2, 3, 4] and all(s.ok for s in r.slots)
     assert max(s.errors[s.best] for s in r.slots) < 0.02
-    assert r.acceptance["lossless"] and r.acceptance["mean_acceptance_length"] >= 1.0
+    # Exact at fp32; in bf16 a k+1-token verify can flip near-tied argmaxes (reported, not gated).
+    assert r.acceptance["lossless"] or dtype != "float32"
+    assert r.acceptance["mean_acceptance_length"] >= 1.0
 
 
 def test_correct_sglang_config_passes_and_repeats(run_dir, tiny_target, tmp_path):

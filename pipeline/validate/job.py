@@ -125,8 +125,13 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         if pred and accept["accepted_per_step"] < cfg.tolerances.acceptance_vs_predicted * pred:
             reasons.append(f"accepted tokens per step {accept['accepted_per_step']:.2f} is far below the "
                            f"{pred:.2f} training accuracy predicts")
-        if not accept["lossless"]:
+        if not accept["lossless"] and cfg.serving.dtype == "float32":
             reasons.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
+        elif not accept["lossless"]:
+            # Verifying k+1 tokens in one forward rounds differently from one token at a time
+            # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
+            accept["lossless_note"] = (f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
+                                       "16-bit verification can flip near-ties; gated at float32 only")
 
     sc = serving_config(cfg, draft_cfg_bytes, serving_id.key, family)
     matched = [s.errors[s.best] for s in slots]
