@@ -61,7 +61,7 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
         run_retrain(cfg, progress=False)
 
     # The channel deploys vLLM fp32 on this target with the config.json Strata exports.
-    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+    _create_channel_like_first_export(cfg, reg, tiny_target)
 
     r1 = run_retrain(cfg, progress=False)
     assert r1.outcome == "promoted", (r1.message, r1.reasons)
@@ -120,25 +120,21 @@ def _lineage(cfg, target):
     return versions.lineage_uri(cfg.data_root, target_identity(target))
 
 
-def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target, tmp_path) -> None:
-    """Channel spec = vLLM fp32 on ``target`` reading the config.json Strata writes for this
-    draft shape (taken from a throwaway export)."""
-    import hashlib
-
+def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target) -> None:
+    """The channel deploys what the retrain config validates against: its serving spec, on
+    ``target``, reading the config.json Strata exports for this draft shape."""
     from pipeline.draft.export import engine_config
     from pipeline.draft.model import DraftConfig
     from pipeline.identity import target_identity
+    from pipeline.validate.job import serving_config
     from schemas.capture import parse_points
-    from schemas.registry import ServingConfig
 
     ident = target_identity(target)
     tcfg = json.loads((target / "config.json").read_text())
     draft = DraftConfig.from_target(tcfg, 3, min(4096, tcfg["vocab_size"]))
     body = json.dumps(engine_config(draft, parse_points(["layer_output:1", "layer_output:2", "layer_output:3"]),
                                     ident.num_layers, "vllm", "llama", "float32"), indent=1).encode()
-    reg.create_channel("production", ServingConfig(
-        engine="vllm", engine_version="0.32.0", dtype="float32", draft_config_sha256=hashlib.sha256(body).hexdigest(),
-        target_key=ident.key))
+    reg.create_channel("production", serving_config(cfg.validate_config("/unused"), body, ident.key, "llama"))
 
 
 def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_path):
@@ -148,7 +144,7 @@ def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_pat
     cfg = cfg.model_copy(update={"validate_": {**cfg.validate_, "tolerances": {"acceptance_floor": 3.9,
                                                                                "acceptance_vs_predicted": 0.0}}})
     reg = Registry(open_store(cfg.registry))
-    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+    _create_channel_like_first_export(cfg, reg, tiny_target)
     r = run_retrain(cfg, progress=False)
     assert r.outcome == "blocked" and r.decision == "block"
     assert any("< floor 3.9" in x for x in r.reasons)
@@ -199,7 +195,7 @@ def test_second_scheduler_exits_naming_the_holder(tiny_target, convs, tmp_path, 
     cfg = retrain_config(tmp_path, tiny_target, src)
     (tmp_path / "retrain.yaml").write_text(json.dumps(cfg.model_dump(mode="json", by_alias=True)))
     reg = Registry(open_store(cfg.registry))
-    _create_channel_like_first_export(cfg, reg, tiny_target, tmp_path)
+    _create_channel_like_first_export(cfg, reg, tiny_target)
     with Lease(reg.store, "retrain-tiny", ttl_s=60, run_id="first-scheduler") as first:
         assert strata(["retrain", "--config", str(tmp_path / "retrain.yaml")]) == 75
         err = capsys.readouterr().err

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
+from pipeline.store.encoding import TORCH_DTYPES, split_planes
 from pipeline.store.writer import CapturedBatch
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
@@ -32,6 +35,12 @@ class CaptureEngine(Protocol):
     def capture(self, sequences: list[list[int]]) -> CapturedBatch:
         """Run one batch and return every configured point as host byte planes."""
         ...
+
+
+def captured_batch(per_point: dict[str, list[torch.Tensor]], dtype: str) -> CapturedBatch:
+    """Per point, one [T, H] tensor per sequence -> host byte planes in batch order."""
+    planes = {k: split_planes(torch.cat(v).to(TORCH_DTYPES[dtype]).contiguous()).numpy() for k, v in per_point.items()}
+    return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes)
 
 
 def plan_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:

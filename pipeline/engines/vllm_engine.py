@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
-from pipeline.engines.base import plan_by_tokens
+from pipeline.engines.base import captured_batch, plan_by_tokens
 from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.store.encoding import TORCH_DTYPES, split_planes
 from pipeline.store.writer import CapturedBatch
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
@@ -173,10 +172,7 @@ class VLLMEngine:
         return out
 
     def capture(self, sequences: list[list[int]]) -> CapturedBatch:
-        per_point = self.capture_tensors(sequences)
-        planes = {k: split_planes(torch.cat(v).to(TORCH_DTYPES[self.dtype]).contiguous()).numpy()
-                  for k, v in per_point.items()}
-        return CapturedBatch(lengths=[len(s) for s in sequences], planes=planes)
+        return captured_batch(self.capture_tensors(sequences), self.dtype)
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Target-only greedy continuations (the extraction 'draft' always verifies)."""
