@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,7 +98,12 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
 
     resumed = run_job(cfg_path, {}, ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{len(committed)} already committed" in resumed.stderr
+    # A dead driver's capture actors may still commit the unit in hand while Ray reaps them, so
+    # the resumed run can find more than we counted - never fewer, and it extracts only the rest.
+    found = re.search(r"rows in (\d+) units; (\d+) already committed, (\d+) to extract", resumed.stderr)
+    assert found, resumed.stderr[-3000:]
+    units, skipped, extracted = map(int, found.groups())
+    assert units == -(-nrows // 8) and skipped + extracted == units and skipped >= len(committed)
     for name, data in before.items():  # committed shards were skipped, not rewritten
         if (out / "_units" / name.replace("part", "unit").replace(".parquet", ".json")).exists():
             assert (out / "shards" / name).read_bytes() == data
