@@ -211,12 +211,18 @@ def test_every_loop_stops_cleanly_on_sigterm(tmp_path, tiny_target):
     (tmp_path / "r.yaml").write_text(json.dumps(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "retrain", "--config", str(tmp_path / "r.yaml"),
                              "--every", "1s", "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any("does not exist" in x for x in lines):  # a first pass ran (and failed): the loop is up
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+        time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err
-    assert "does not exist" in err and "stopping after the current pass" in err
-    assert "scheduler stopped after" in err
+    assert proc.wait(timeout=60) == 0, "".join(lines)[-3000:]
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert "stopping after the current pass" in err and "scheduler stopped after" in err
 
 
 def test_parse_every_and_config_errors(tmp_path):
