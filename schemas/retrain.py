@@ -93,6 +93,7 @@ class RunRecord(BaseModel):
     source_rows: int = 0
     new_rows: int = 0
     identity_changed: bool = False
+    recipe_changes: list[str] = []         # extraction settings/provenance that differ from the latest version's
     dataset_id: str | None = None
     dataset_version: int | None = None
     extracted_rows: int = 0

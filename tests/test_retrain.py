@@ -96,6 +96,22 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
     assert [r["outcome"] for r in runs] == ["promoted", "promoted", "noop"]
     assert runs[1]["new_rows"] == 12 and runs[1]["warm_start_from"] == r1.artifact_digest
 
+    # The extraction changes (here bf16 capture; an engine upgrade is the same case): a new base
+    # version, every row extracted again, never mixed with the fp32 shards; same target and
+    # capture points, so training still starts from the channel's draft.
+    bf16 = cfg.model_copy(update={"extract": {**cfg.extract, "engine": {"dtype": "bfloat16", "device": "cpu"}}})
+    r5 = run_retrain(bf16, progress=False)
+    assert r5.recipe_changes == [f"columns.{p}.dtype: float32 -> bfloat16" for p in sorted(
+        ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"])] + [
+        "extraction.engine.dtype: float32 -> bfloat16"]
+    assert (r5.new_rows, r5.extracted_rows, r5.dataset_version) == (62, 62, 3)
+    assert r5.warm_start_from == r2.artifact_digest and r5.outcome == "promoted", (r5.message, r5.reasons)
+    m5 = load_manifest(versions.version_uri(lineage, 3))
+    assert m5.parents == [] and not any(s.inherited_from for s in m5.shards) and m5.totals.rows == 62
+    assert {c.dtype for c in m5.columns} == {"bfloat16"}
+    assert sum(1 for _ in DatasetReader(versions.version_uri(lineage, 3)).iter_samples()) == 62
+    assert run_retrain(bf16, progress=False).outcome == "noop"
+
     # A new target revision: everything is extracted again into its own lineage, trained from
     # scratch, and the channel (bound to the old target) refuses it.
     other = tmp_path / "target-r2"
@@ -106,12 +122,32 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
     r4 = run_retrain(cfg2, progress=False)
     assert r4.identity_changed and r4.extracted_rows == 62 and r4.warm_start_from is None
     assert r4.outcome == "refused" and "serving configuration" in " ".join(r4.reasons)
-    assert reg.pointer("production")[0].artifact_digest == r2.artifact_digest
+    assert reg.pointer("production")[0].artifact_digest == r5.artifact_digest
     lineage2 = _lineage(cfg2, other)
     assert lineage2 != lineage
     m4 = load_manifest(versions.version_uri(lineage2, 1))
     assert m4.parents == [] and not any(".." in (s.path or "") for s in m4.shards)
     assert m4.target.key != m2.target.key
+
+
+def test_recipe_changes_name_the_engine_release(tiny_target):
+    from pipeline.identity import target_identity
+    from schemas.capture import CapturePoint
+    from schemas.provenance import EngineRef, TensorProvenance
+
+    ident = target_identity(tiny_target)
+
+    def col(version):
+        return TensorProvenance(capture_point=CapturePoint.layer_output(1), boundary="r_2", dtype="bfloat16",
+                                hidden_size=ident.hidden_size, encoding="raw", target_model=ident.model_name,
+                                target_key=ident.key, engine=EngineRef(name="vllm", version=version, native_id=2,
+                                                                       native_id_convention="vllm_aux_layer_id"))
+    extraction = {"max_length": 256, "source": {"uri": "a.jsonl"}, "output": {"uri": "v1"}}
+    old = versions.recipe(extraction, [col("0.32.0")])
+    moved = versions.recipe({**extraction, "source": {"uri": "b.jsonl"}, "output": {"uri": "v2"}}, [col("0.32.0")])
+    assert versions.recipe_changes(old, moved) == []  # where rows come from and go is not how they are made
+    assert versions.recipe_changes(old, versions.recipe({**extraction, "max_length": 512}, [col("0.33.1")])) == [
+        "columns.layer_output:1.engine.version: 0.32.0 -> 0.33.1", "extraction.max_length: 256 -> 512"]
 
 
 def _lineage(cfg, target):

@@ -2,7 +2,8 @@
 
 Under a lease (one scheduler per name): find the source rows not yet extracted for this
 target identity, extract only those into a new dataset version (a new target revision
-starts a new lineage, so everything is re-extracted and identities never mix), train --
+starts a new lineage, a changed extraction -- engine release, dtype, capture points -- a new
+base version: everything is re-extracted and neither is ever mixed), train --
 warm from the channel's draft when target and capture points are unchanged -- validate
 against the channel's serving configuration, and promote only through the gate. Every pass
 writes a run record to the registry's audit log, including the ones that do nothing.
@@ -24,6 +25,7 @@ from pipeline.registry.registry import PromotionRefused, Registry
 from pipeline.registry.store import open_store
 from pipeline.retrain import versions
 from pipeline.retrain.lease import Lease, LeaseHeld
+from pipeline.store.reader import load_manifest
 from schemas.retrain import RetrainConfig, RunRecord
 
 log = logging.getLogger(__name__)
@@ -66,13 +68,23 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
     changed = current is not None and current.target.key != identity.key
     lineage = versions.lineage_uri(cfg.data_root, identity)
     latest = versions.latest_version(lineage, cfg.s3)
-    seen = versions.seen_digests(latest[1], cfg.s3) if latest else set()
+    changes = versions.recipe_changes(versions.manifest_recipe(load_manifest(latest[1], cfg.s3)),
+                                      versions.config_recipe(cfg, identity)) if latest else []
+    base = None if changes else latest  # a version only inherits rows extracted the same way
+    seen = versions.seen_digests(base[1], cfg.s3) if base else set()
     source_rows, fresh, digests = versions.new_rows(cfg, seen)
     rec = RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key=identity.key, outcome="noop",
-                    message="", source_rows=source_rows, new_rows=len(fresh), identity_changed=changed)
+                    message="", source_rows=source_rows, new_rows=len(fresh), identity_changed=changed,
+                    recipe_changes=changes)
     if changed:
         log.info("target identity changed (%s -> %s): a new lineage, everything is extracted again",
                  current.target.key[:12], identity.key[:12])  # type: ignore[union-attr]
+    if changes:
+        log.info("extraction changed since %s (%s): a new base version, everything is extracted again",
+                 latest[0].dataset_id, "; ".join(changes))  # type: ignore[index]
+    if not fresh and base is None:
+        rec.message = f"the source {cfg.source.uri} has no rows to extract"
+        return rec
     done = {r.get("dataset_id") for r in _completed_runs(reg, cfg)}
     if not fresh and latest is not None and latest[0].dataset_id in done:
         rec.dataset_id, rec.dataset_version = latest[0].dataset_id, latest[0].version
@@ -80,7 +92,8 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
                        "run already trained and validated; no extraction, no training")
         return rec
     if fresh:
-        version, uri = versions.build_version(cfg, identity, lineage, latest, fresh, source_rows, digests, progress)
+        number = latest[0].version + 1 if latest else 1
+        version, uri = versions.build_version(cfg, identity, lineage, number, base, fresh, source_rows, digests, progress)
         rec.extracted_rows = len(fresh)
     else:
         version, uri = latest  # type: ignore[misc]  # extracted by a run that did not finish training

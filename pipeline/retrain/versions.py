@@ -11,7 +11,9 @@ Layout under ``data_root``::
         v0001/manifest.json               the version: inherited shards (../v0000/...) + the part's
         v0001/fingerprints.safetensors    probe fingerprints over the whole version
 
-A row is identified by the SHA-256 of its bytes; quarantined rows count as handled, so a bad
+A version made another way than the latest (engine release, dtype, capture points, max length:
+``recipe``) is a base version: it inherits nothing and re-extracts every row, so no version
+mixes rows captured differently. A row is identified by the SHA-256 of its bytes; quarantined rows count as handled, so a bad
 row is reported once, not re-extracted on every run.
 """
 
@@ -25,11 +27,12 @@ import re
 from datetime import UTC, datetime
 
 from pipeline.data.source import scan_source
-from pipeline.extract.job import fingerprint_dataset, run_extract
+from pipeline.extract.job import build_schema, extraction_json, fingerprint_dataset, run_extract
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.identity import TargetIdentity
 from schemas.manifest import MANIFEST_NAME, DatasetManifest, Totals
+from schemas.provenance import TensorProvenance
 from schemas.retrain import DatasetVersion, RetrainConfig
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,37 @@ def latest_version(lineage: str, s3=None) -> tuple[DatasetVersion, str] | None:
     return DatasetVersion.model_validate_json(read_bytes(fs, join(vroot, VERSION_FILE))), uri
 
 
+def recipe(extraction: dict, columns: list[TensorProvenance]) -> dict:
+    """What decides a version's values besides the target: extraction settings (not paths)
+    and each column's provenance (engine and release, dtype, encoding)."""
+    settings = {k: v for k, v in extraction.items() if k not in ("target", "source", "output", "fingerprint")}
+    return {"extraction": settings,
+            "columns": {str(c.capture_point): c.model_dump(mode="json", exclude={"capture_point"}) for c in columns}}
+
+
+def manifest_recipe(m: DatasetManifest) -> dict:
+    return recipe(m.extraction, m.columns)
+
+
+def config_recipe(cfg: RetrainConfig, identity: TargetIdentity) -> dict:
+    ecfg = cfg.extract_config(cfg.source.uri, cfg.data_root)
+    return recipe(json.loads(extraction_json(ecfg)), build_schema(ecfg, identity)[1])
+
+
+def recipe_changes(old: dict, new: dict) -> list[str]:
+    """``engine.dtype: float32 -> bfloat16``-style lines, one per setting that differs."""
+    a, b = _flat(old), _flat(new)
+    return [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        out.update(_flat(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
 def row_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -83,10 +117,10 @@ def new_rows(cfg: RetrainConfig, seen: set[str]) -> tuple[int, list[bytes], set[
     return len(scan.rows), fresh, digests
 
 
-def build_version(cfg: RetrainConfig, identity: TargetIdentity, lineage: str, previous: tuple[DatasetVersion, str] | None,
-                  rows: list[bytes], source_rows: int, digests: set[str], progress: bool) -> tuple[DatasetVersion, str]:
-    """Extract ``rows`` into a new version that inherits every shard of ``previous``."""
-    v = previous[0].version + 1 if previous else 1
+def build_version(cfg: RetrainConfig, identity: TargetIdentity, lineage: str, v: int,
+                  previous: tuple[DatasetVersion, str] | None, rows: list[bytes], source_rows: int, digests: set[str],
+                  progress: bool) -> tuple[DatasetVersion, str]:
+    """Extract ``rows`` into version ``v`` that inherits every shard of ``previous`` (None: a base version)."""
     uri = version_uri(lineage, v)
     fs, root = resolve(uri, cfg.s3)
     if exists(fs, join(root, MANIFEST_NAME)):
