@@ -13,8 +13,8 @@ Layout under ``data_root``::
 
 A version made another way than the latest (engine release, dtype, capture points, max length:
 ``recipe``) is a base version: it inherits nothing and re-extracts every row, so no version
-mixes rows captured differently. A row is identified by the SHA-256 of its bytes; quarantined rows count as handled, so a bad
-row is reported once, not re-extracted on every run.
+mixes rows captured differently. A row is identified by the SHA-256 of its bytes; quarantined
+rows count as handled, so a bad row is reported once, not re-extracted on every run.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def config_recipe(cfg: RetrainConfig, identity: TargetIdentity) -> dict:
 
 
 def recipe_changes(old: dict, new: dict) -> list[str]:
-    """``engine.dtype: float32 -> bfloat16``-style lines, one per setting that differs."""
+    """``extraction.engine.dtype: float32 -> bfloat16``-style lines, one per setting that differs."""
     a, b = _flat(old), _flat(new)
     return [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
 
