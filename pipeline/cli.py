@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run", help="training run directory (the train config's output)")
     s.add_argument("--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config")
     s.add_argument("--out", help="destination (default: <run>/export)")
-    s.add_argument("--sglang-family", choices=["auto", "llama", "deepseek_v2", "gpt_oss"], default=None)
+    s.add_argument("--sglang-family", choices=["auto", "llama", "qwen", "qwen3_moe", "deepseek_v2", "gpt_oss"], default=None)
     s.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None)
     s.set_defaults(func=cmd_export)
 

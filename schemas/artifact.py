@@ -24,6 +24,8 @@ class DraftArtifactManifest(BaseModel):
     aux_capture_points: list[CapturePoint]  # slot order (ascending along the forward pass)
     aux_layer_ids: list[int]               # what config.json carries, in this engine's convention
     aux_layer_ids_convention: str
+    engine_release: str | None = None      # the release the ids were written for
+    ids_valid_for: list[str] = []          # every known release (range) that reads them as aux_capture_points
     target: TargetIdentity
     dataset_id: str | None = None
     dataset_manifest_sha256: str | None = None

@@ -184,6 +184,8 @@ class DeepSpeedConfig(_Strict):
 class ExportConfig(_Strict):
     engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
     sglang_family: str = Field("auto", description="SGLang capture rule; auto = from the target's model_type")
+    engine_versions: dict[Literal["sglang", "vllm"], str] = Field(
+        default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)")
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
 
 

@@ -24,12 +24,16 @@ class ServingConfig(BaseModel):
     engine_family: str | None = None       # SGLang capture rule (llama, deepseek_v2, gpt_oss)
     dtype: Literal["bfloat16", "float16", "float32"]
     tp_size: int = 1
+    vllm_runner: Literal["v1", "v2"] | None = None  # pinned vLLM model runner (None: vLLM's own choice)
     draft_config_sha256: str               # the config.json the engine will read
     target_key: str                        # TargetIdentity.key of the served target
 
     @property
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()[:16]
+        d = self.model_dump(mode="json")
+        if d["vllm_runner"] is None:  # keys of configurations without a pinned runner stay as they were
+            del d["vllm_runner"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class ValidationRecord(BaseModel):

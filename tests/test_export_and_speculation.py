@@ -61,14 +61,24 @@ def test_exported_configs_carry_conventions_ids(tmp_path, n, points, sglang_ids,
 
 def test_export_refuses_what_the_engine_cannot_capture(tmp_path):
     m = tiny_draft()
-    with pytest.raises(ExportError, match="SGLang llama cannot capture r_0"):
-        export_draft(m, tmp_path / "x", "sglang", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6))
+    with pytest.raises(ExportError, match=r"sglang 0.5.21 \(llama\).*the embedding \(r_0\)"):
+        export_draft(m, tmp_path / "x", "sglang", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6),
+                     release="0.5.21")
+    with pytest.raises(ExportError, match="fixed three-slot fc"):
+        export_draft(tiny_draft(num_aux=2), tmp_path / "x", "sglang", [C.layer_output(2), C.layer_output(3)],
+                     fake_target(6), release="0.5.11")
     with pytest.raises(ExportError, match="ascending"):
         export_draft(m, tmp_path / "x", "vllm", [C.layer_output(3), C.layer_output(1), C.layer_output(2)], fake_target(6))
     assert not (tmp_path / "x").exists()
     # vLLM can capture the embedding: same points export fine there.
     v = export_draft(m, tmp_path / "v", "vllm", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6))
     assert v.aux_layer_ids == [0, 3, 4]
+    # The artifact says which releases read these ids as the trained points: not 0.11 (ignores
+    # them), every later V1 and V2 release (top-level key).
+    assert v.engine_release == "0.32.0" and "vllm 0.11.0-0.11.2 llama (V1 runner)" not in v.ids_valid_for
+    assert {"vllm 0.12.0-0.21.0 llama (V1 runner)", "vllm 0.22.0-0.32.0 llama (V1 runner)",
+            "vllm 0.17.0-0.32.0 llama (V2 runner)"} == set(v.ids_valid_for)
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["num_aux_hidden_states"] == 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

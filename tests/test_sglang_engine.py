@@ -24,15 +24,16 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 def sglang_captures(ids: list[int] | None, family: str, n: int) -> list[int]:
-    """The residual boundaries r_k SGLang captures for a nested id list (from its source)."""
+    """The residual boundaries r_k SGLang 0.5.23 captures for a nested id list, transcribed from
+    its ``set_eagle3_layers_to_capture``; states are appended in layer-loop order, each once."""
     if ids is None:
         return sorted({2, n // 2, n - 3})                 # default loop indices (r-labels)
     if family in ("llama", "qwen3"):
-        return [i + 1 for i in ids]                       # layers_to_capture = [val + 1 ...]
-    if family == "deepseek_v2":
-        return [i + 1 for i in ids] if ids[0] == 1 else list(ids)
-    if family == "gpt_oss":
-        return list(ids)
+        return sorted({i + 1 for i in ids})               # layers_to_capture = [val + 1 ...]
+    if family == "deepseek_v2":                           # `if layer_ids and layer_ids[0] == 1`
+        return sorted({i + 1 for i in ids} if ids[0] == 1 else set(ids))
+    if family == "gpt_oss":                               # `if layer_ids and max(layer_ids) == num_layers`
+        return sorted(set(ids) if max(ids) == n else {i + 1 for i in ids})
     raise AssertionError(family)
 
 
@@ -47,11 +48,11 @@ def draft(tiny_target):
     ("qwen3", [lo(1), lo(2), lo(3)], [1, 2, 3]),
     ("deepseek_v2", [lo(1), lo(2), lo(3)], [1, 2, 3]),       # first id 1: read as o-labels (+1)
     ("deepseek_v2", [lo(2), lo(3), lo(4)], [3, 4, 5]),       # first id not 1: read as r-labels
-    ("gpt_oss", [lo(1), lo(2), lo(5)], [2, 3, 6]),           # r-labels, reaches pre-norm r_N
+    ("gpt_oss", [lo(1), lo(2), lo(5)], [1, 2, 5]),           # o-labels also reach pre-norm r_N (>= 0.5.17)
 ])
 def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, points, nested_ids):
     model, ident = draft
-    conv_family = "llama" if family == "qwen3" else family
+    conv_family = "qwen" if family == "qwen3" else family
     export_draft(model, tmp_path / "d", "sglang", points, ident, family=conv_family, dtype="float32")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["eagle_config"][AUX_KEY] == nested_ids and AUX_KEY not in cfg
@@ -61,11 +62,11 @@ def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, 
 
 def test_sglang_families_refuse_what_they_cannot_capture(draft, tmp_path):
     model, ident = draft
-    with pytest.raises(ExportError, match="cannot capture r_0"):
-        export_draft(model, tmp_path / "a", "sglang", [E, lo(1), lo(2)], ident, family="llama")
+    with pytest.raises(ExportError, match=r"sglang 0.5.21 \(llama\).*the embedding \(r_0\)"):
+        export_draft(model, tmp_path / "a", "sglang", [E, lo(1), lo(2)], ident, family="llama", release="0.5.21")
     with pytest.raises(ExportError, match="pre-norm final"):
         export_draft(model, tmp_path / "b", "sglang", [lo(1), lo(2), lo(5)], ident, family="llama")
-    with pytest.raises(ExportError, match="cannot express this list"):
+    with pytest.raises(ExportError, match="no id list makes"):
         export_draft(model, tmp_path / "c", "sglang", [lo(0), lo(2), lo(3)], ident, family="deepseek_v2")
 
 
@@ -75,7 +76,8 @@ def test_engine_args_and_capture_rules(tmp_path, tiny_target):
     assert args["speculative_num_draft_tokens"] == 4 and args["speculative_eagle_topk"] == 1
     assert args["tp_size"] == 4 and args["disable_radix_cache"] and args["skip_tokenizer_init"]
     assert sg.family_for(tiny_target) == "llama" and sg.family_for(tiny_target, "gpt_oss") == "gpt_oss"
-    assert sg.can_capture(lo(2), 6, "llama") and not sg.can_capture(E, 6, "llama")
+    assert sg.can_capture(lo(2), 6, "llama") and not sg.can_capture(E, 6, "llama", "0.5.21")
+    assert sg.can_capture(E, 6, "llama", "0.5.22")
     assert sg.can_capture(lo(5), 6, "gpt_oss") and not sg.can_capture(lo(5), 6, "llama")
 
 
@@ -114,7 +116,7 @@ class FakeSGLang:
     """Stands in for ``sglang`` (which cannot run here): an HF target that captures what
     SGLang's llama model file captures for the draft config it is given."""
 
-    __version__ = "fake"
+    __version__ = "0.5.23"
 
     class Engine:
         def __init__(self, **kw):

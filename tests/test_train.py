@@ -240,7 +240,7 @@ def test_strata_export_cli(tiny_target, dataset, tmp_path, capsys):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["torch_dtype"] == "float32"
     # Other SGLang capture rules get their own ids for the same tensors.
     assert strata(["export", str(run), "--engine", "sglang", "--sglang-family", "gpt_oss", "--out", str(tmp_path / "g")]) == 0
-    assert "sglang: aux ids [2, 3, 4] (sglang_gpt_oss_aux_layer_id)" in capsys.readouterr().out
+    assert "sglang: aux ids [1, 2, 3] (sglang_gpt_oss_aux_layer_id)" in capsys.readouterr().out
     assert strata(["export", str(tmp_path / "nowhere")]) == 2
     assert "no run.json" in capsys.readouterr().err
 

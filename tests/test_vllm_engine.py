@@ -123,6 +123,11 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(vllm
     assert abs(acc["mean_acceptance_length"] - ref["mean_acceptance_length"]) < 0.15
     assert all(abs(a - b) < 0.15 for a, b in zip(acc["acceptance_per_pos"], ref["acceptance_per_pos"], strict=True))
     assert max(s.errors[s.best] for s in r.slots) < 1e-5  # fp32 replay through vLLM vs HF-extracted training data
+    # The feed was measured inside vLLM, on prefill and on verify steps, and matches the training values.
+    assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == []
+    assert [x["prefill"] for x in r.feed["slots"]] == [x["verify"] for x in r.feed["slots"]] == [
+        "layer_output:1", "layer_output:2", "layer_output:3"]
+    assert max(r.feed["vs_training_rel_l2"]) < 1e-4
 
 
 def set_ids(ids, nested=False):
@@ -136,26 +141,68 @@ def set_ids(ids, nested=False):
 
 @pytest.mark.parametrize("edit, export, needles", [
     (set_ids([3, 4, 5]), "vllm", ["slot 0 is fed o_2 (r_3)", "shifted by +1", f"top-level {AUX_KEY}=[2, 3, 4]"]),
+    (set_ids([1, 2, 3]), "vllm", ["slot 0 is fed o_0 (r_1)", "shifted by -1"]),
     (set_ids([2, 3, 5]), "vllm", ["slot 2 is fed o_4 (r_5)"]),
     (set_ids([0, 2, 3]), "vllm", ["slot 0 is fed embedding (r_0)", "shifted by -2"]),
-    (None, "sglang", [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1"]),  # SGLang config in vLLM
-    (set_ids(None), "vllm", ["finds no aux layer ids", "silently uses its default", "would feed 2 aux states"]),
-], ids=["plus-one", "one-slot", "embedding-first", "sglang-config", "no-ids"])
-def test_wrong_configs_blocked_through_vllm(vllm_engine, trained_run, tiny_target, tmp_path, edit, export, needles):
-    r = served(trained_run, tiny_target, tmp_path, config_edit=edit, export=export)
+    (None, "sglang", [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1",
+                      "V2 runner) reads"]),  # nested-only (SGLang format): V1 reads it as r-ids, V2 never
+], ids=["plus-one", "minus-one", "one-slot", "embedding-first", "nested-only"])
+def test_wrong_configs_blocked_by_the_measured_feed(vllm_engine, trained_run, tiny_target, tmp_path, edit, export,
+                                                   needles):
+    """Served as configured; the slot table names the boundary each slot really received."""
+    r = served(trained_run, tiny_target, tmp_path, config_edit=edit, export=export, acceptance_prompts=3)
     assert r.decision == "block"
     text = "\n".join(r.reasons)
     for n in needles:
         assert n in text, (n, text)
-    assert "mean_acceptance_length" not in r.acceptance  # never served: the gate already blocks
+    assert all(s.fed_by == "measured" for s in r.slots)
+    # The measurement agrees with the table here, and verify steps feed what prefill did.
+    assert r.feed["disagreements"] == [] and not any("verify steps" in x for x in r.reasons)
+    assert r.feed["vs_training_rel_l2"][0] > 0.1  # slot 0 is wrong in every case: far from its training values
+    assert r.acceptance["note"].startswith("measured for the report only")
+
+
+def test_no_ids_is_blocked_by_the_rule_without_serving(vllm_engine, trained_run, tiny_target, tmp_path):
+    """vLLM's default (2, 3, 3) collapses to two ids: a 3-slot draft cannot even be served."""
+    r = served(trained_run, tiny_target, tmp_path, config_edit=set_ids(None))
+    text = "\n".join(r.reasons)
+    for n in ("finds no aux layer ids", "silently uses its default", "would feed 2 aux states"):
+        assert n in text, (n, text)
+    assert r.decision == "block" and all(s.fed_by == "rule" for s in r.slots)
+    assert "not served" in r.feed["not_measured"] and "mean_acceptance_length" not in r.acceptance
+
+
+def test_planted_wrong_rule_is_reported_and_the_measurement_decides(vllm_engine, trained_run, tiny_target, tmp_path,
+                                                                    monkeypatch):
+    """A rule table that wrongly says vLLM 0.32's V1 runner adds one: the correct config still
+    passes (the feed is measured), and the disagreement is reported per slot."""
+    import dataclasses
+
+    from pipeline.conventions import releases
+
+    planted = tuple(dataclasses.replace(r, id_rule="plus_one") if r.name == "vllm 0.22.0-0.32.0 llama (V1 runner)"
+                    else r for r in releases.RULES)
+    monkeypatch.setattr(releases, "RULES", planted)
+    r = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3)
+    assert r.decision == "pass", r.reasons
+    assert [str(s.fed) for s in r.slots] == ["layer_output:1", "layer_output:2", "layer_output:3"]
+    assert [str(s.predicted) for s in r.slots] == ["layer_output:2", "layer_output:3", "layer_output:4"]
+    assert r.feed["disagreements"][0].startswith(
+        "vllm 0.22.0-0.32.0 llama (V1 runner) feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)")
+    assert len(r.feed["disagreements"]) == 3
 
 
 def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp_path):
-    """The serving spec names vLLM 0.40.0; replaying through the installed 0.32 vouches for nothing."""
+    """The serving spec names vLLM 0.31.0; replaying through the installed 0.32 vouches for nothing.
+    A release without a known reading rule is refused outright (exit 2)."""
+    from pipeline.validate.job import ValidationInputError
+
     installed = vllm_engine.vllm_version()
-    r = served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.40.0"})
+    r = served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.31.0"})
     assert r.decision == "block" and r.engine_reads["replayed_with"] == f"vllm {installed}"
-    assert any(f"replayed through vllm {installed}, but serving.engine_version is 0.40.0" in x for x in r.reasons)
+    assert any(f"replayed through vllm {installed}, but serving.engine_version is 0.31.0" in x for x in r.reasons)
+    with pytest.raises(ValidationInputError, match="no reading rule is known for vllm 0.40.0"):
+        served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.40.0"})
     assert all(s.ok for s in r.slots)  # the right ids: only the release is wrong
     assert "mean_acceptance_length" not in r.acceptance
     same = served(trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"},

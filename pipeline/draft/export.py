@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline import conventions
+from pipeline.conventions import releases
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
 from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
@@ -45,14 +46,25 @@ def draft_state_dict(model: Eagle3Draft, engine: str = "sglang") -> dict[str, to
     return sd
 
 
+def serving_ids(aux_points: list[CapturePoint], num_layers: int, engine: str, family: str,
+                release: str = conventions.NEWEST) -> list[int]:
+    """The ids ``engine`` at ``release`` needs to feed ``aux_points``; ExportError if it cannot load or feed them."""
+    if not releases.serves_slots(engine, release, len(aux_points)):  # type: ignore[arg-type]
+        raise ExportError(f"{engine} {release} has a fixed three-slot fc; this draft has {len(aux_points)} aux slots. "
+                          f"Servable by: {', '.join(releases.servable_by(len(aux_points)))}")
+    try:
+        return conventions.aux_ids_for(aux_points, engine, num_layers, family, release)  # type: ignore[arg-type]
+    except conventions.ConventionError as e:
+        raise ExportError(f"cannot export for {engine} {release} ({family}): {e}") from None
+
+
 def engine_config(
     cfg: DraftConfig, aux_points: list[CapturePoint], num_layers: int, engine: str, family: str, dtype: str,
+    release: str = conventions.NEWEST,
 ) -> dict:
-    """config.json for ``engine`` with the aux ids that make it capture exactly ``aux_points``."""
-    try:
-        ids = conventions.aux_ids_for(aux_points, engine, num_layers, family)  # type: ignore[arg-type]
-    except conventions.ConventionError as e:
-        raise ExportError(f"cannot export for {engine} ({family}): {e}") from None
+    """config.json for ``engine`` at ``release`` with the aux ids that make it capture exactly
+    ``aux_points``, and the slot count its fc must read."""
+    ids = serving_ids(aux_points, num_layers, engine, family, release)
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -69,6 +81,7 @@ def engine_config(
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.target_hidden_size,
+        "num_aux_hidden_states": len(aux_points),  # vLLM >= 0.22 and SGLang >= 0.5.12 size fc from it
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
@@ -96,6 +109,7 @@ def export_draft(
     dtype: str = "bfloat16",
     dataset_id: str | None = None,
     dataset_manifest_sha256: str | None = None,
+    release: str = conventions.NEWEST,
     training: dict | None = None,
     metrics: dict | None = None,
     fingerprints: tuple[bytes, dict] | None = None,
@@ -113,7 +127,9 @@ def export_draft(
         raise ExportError(f"aux capture points must be in ascending order, got {[str(p) for p in aux_points]}")
     if len(aux_points) != model.config.num_aux:
         raise ExportError(f"the draft reads {model.config.num_aux} aux slots, got {len(aux_points)} capture points")
-    cfg_json = engine_config(model.config, aux_points, n, engine, family, dtype)
+    if release == conventions.NEWEST:
+        release = releases.newest_release(engine)  # type: ignore[arg-type]
+    cfg_json = engine_config(model.config, aux_points, n, engine, family, dtype, release)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -135,6 +151,8 @@ def export_draft(
             aux_capture_points=list(aux_points),
             aux_layer_ids=cfg_json.get(conventions.AUX_KEY) or cfg_json["eagle_config"][conventions.AUX_KEY],
             aux_layer_ids_convention=conventions.native_id_convention(engine, family),  # type: ignore[arg-type]
+            engine_release=release,
+            ids_valid_for=conventions.releases_reading(cfg_json, aux_points, engine, family, n),
             target=target, dataset_id=dataset_id, dataset_manifest_sha256=dataset_manifest_sha256,
             draft_config=model.config.to_dict(), training=training or {}, metrics=metrics or {},
             fingerprints=fp_meta,

@@ -38,16 +38,22 @@ def family_for(target_dir: str | Path, engine_family: str | None = "auto") -> co
     if engine_family and engine_family != "auto":
         return engine_family  # type: ignore[return-value]
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    return conventions.sglang_family(cfg.get("model_type", "llama"))
+    return conventions.engine_family("sglang", cfg)
 
 
-def can_capture(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily) -> bool:
-    return conventions.native_id(point, "sglang", num_layers, family) is not None
+def _release(version: str) -> str:
+    return version if version not in ("", "not installed") else conventions.NEWEST
+
+
+def can_capture(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily,
+                version: str = conventions.NEWEST) -> bool:
+    return conventions.native_id(point, "sglang", num_layers, family, _release(version)) is not None
 
 
 def sglang_engine_ref(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily, version: str,
                       tp_size: int = 1) -> EngineRef:
-    return EngineRef(name="sglang", version=version, native_id=conventions.native_id(point, "sglang", num_layers, family),
+    nid = conventions.native_id(point, "sglang", num_layers, family, _release(version))
+    return EngineRef(name="sglang", version=version, native_id=nid,
                      native_id_convention=conventions.native_id_convention("sglang", family), tp_size=tp_size)
 
 
@@ -132,7 +138,8 @@ class SGLangEngine:
         self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-stub-"))
         ordered = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
         stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(ordered), tcfg.get("vocab_size", 32000)))
-        export_draft(stub, self._dir / "draft", "sglang", ordered, ident, family=self.family, dtype=dtype)
+        export_draft(stub, self._dir / "draft", "sglang", ordered, ident, family=self.family, dtype=dtype,
+                     release=self.version)
         self.order = ordered
         self.engine = sgl.Engine(**engine_args(model_dir, self._dir / "draft", 1, dtype, tp_size))
 

@@ -224,15 +224,23 @@ def spec_stats(before: dict, after: dict, k: int) -> SpecDecodeStats:
 
 
 class VLLMEagle3:
-    """The target served with an EAGLE-3 draft, exactly as a deployment would run it."""
+    """The target served with an EAGLE-3 draft, exactly as a deployment would run it.
+
+    The workers carry :class:`pipeline.engines.vllm_feed.FeedRecorder`, so the inputs the
+    draft's ``fc`` receives can be recorded (:meth:`generate_recording`) without changing
+    anything about how vLLM reads the draft's config.
+    """
 
     def __init__(self, model_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
                  tp_size: int = 1, max_model_len: int = 4096, kv_cache_gib: float = 1.0):
+        from pipeline.engines.vllm_feed import EXTENSION
+
         self.k = k
         self.max_model_len = max_model_len
         self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
                               speculative_config={"method": "eagle3", "model": str(draft_dir),
-                                                  "num_speculative_tokens": k})
+                                                  "num_speculative_tokens": k},
+                              worker_extension_cls=EXTENSION)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:
         from vllm import SamplingParams
@@ -241,6 +249,26 @@ class VLLMEagle3:
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
                                  SamplingParams(max_tokens=max_new_tokens, temperature=0.0), use_tqdm=False)
         return [_tokens(o) for o in outs], spec_stats(before, read_spec_metrics(self.llm), self.k)
+
+    def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
+                           ) -> tuple[list[list[int]], SpecDecodeStats, list[list]]:
+        """Like :meth:`generate`, one prompt at a time, with each prompt's recorded draft inputs."""
+        from pipeline.engines.vllm_feed import take_calls
+
+        feed_dir = tempfile.mkdtemp(prefix="strata-vllm-feed-")
+        try:
+            self.llm.collective_rpc("strata_record_feed", args=(feed_dir,))
+            before = read_spec_metrics(self.llm)
+            tokens, calls = [], []
+            for p in prompts:
+                out, _ = self.generate([p], max_new_tokens)
+                self.llm.collective_rpc("strata_feed_sync")
+                tokens.append(out[0])
+                calls.append(take_calls(feed_dir))
+            self.llm.collective_rpc("strata_record_feed", args=("",))
+            return tokens, spec_stats(before, read_spec_metrics(self.llm), self.k), calls
+        finally:
+            shutil.rmtree(feed_dir, ignore_errors=True)
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:

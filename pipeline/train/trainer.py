@@ -15,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipeline import conventions
-from pipeline.draft.export import export_draft
+from pipeline.conventions import releases
+from pipeline.draft.export import ExportError, export_draft, serving_ids
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
 from pipeline.draft.vocab import build_draft_vocab, count_trained_tokens
@@ -69,6 +70,22 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
     return ordered, final, needs_norm
 
 
+def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg: dict) -> None:
+    """Before any training: every engine the run exports for can load and feed this draft."""
+    for engine in cfg.export.engines:
+        family = cfg.export.sglang_family if engine == "sglang" and cfg.export.sglang_family != "auto" else \
+            conventions.engine_family(engine, target_cfg)
+        release = cfg.export.engine_versions.get(engine, conventions.NEWEST)
+        try:
+            ids = serving_ids(aux, n, engine, family, release)
+        except ExportError as e:
+            raise ProvenanceMismatch(f"refusing to train a draft that export.engines cannot serve: {e}. Change the "
+                                     "aux points or drop that engine from export.engines") from None
+        log.info("servable by %s %s (%s ids %s); %d-slot drafts load in %s", engine,
+                 release if release != conventions.NEWEST else "(newest known)", family, ids, len(aux),
+                 ", ".join(releases.servable_by(len(aux))))
+
+
 def prepare(cfg: TrainConfig) -> RunPlan:
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     reader = DatasetReader(cfg.dataset, cfg.s3, expect_target=identity)
@@ -77,6 +94,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     aux, final, needs_norm = choose_points(reader, cfg)
     reader.points = [str(p) for p in aux] + [str(final)]
     target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
+    check_servable(cfg, aux, identity.num_layers, target_cfg)
     fs, root = resolve(cfg.output, cfg.s3)
     if cfg.init_from:
         ids, d2t, t2d = warm_start_vocab(cfg, identity, aux, target_cfg)
@@ -245,14 +263,15 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
         fingerprints = (read_bytes(rfs, join(rroot, ds_manifest.fingerprints["path"])), ds_manifest.fingerprints)
     out = []
     for engine in engines or cfg.export.engines:
-        family = sglang_family or cfg.export.sglang_family
+        family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
         if family == "auto":
-            family = conventions.sglang_family(target_cfg.get("model_type", "llama"))
+            family = conventions.engine_family(engine, target_cfg)
         dest = os.path.join(tmp, engine)
         m = export_draft(
             model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
             dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
             dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
+            release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
             training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
             fingerprints=fingerprints,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,8 +82,18 @@ def served_draft_dir(art: Path, draft_config: Path) -> tuple[Path, bool]:
     return tmp, True
 
 
-def vllm(cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]) -> dict:
-    """vLLM serving the draft with EAGLE-3; its own spec-decode counters."""
+@dataclass
+class Served:
+    """One serving run: acceptance as the engine counted it, what it emitted, what it fed the draft."""
+
+    acceptance: dict
+    outputs: list[list[int]]
+    feed_calls: list[list] | None      # per prompt, the recorded draft inputs (None: not recorded)
+
+
+def vllm(cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]) -> Served:
+    """vLLM serving the draft with EAGLE-3 as configured; its own spec-decode counters and the
+    inputs its draft's fc received on every step."""
     from pipeline import conventions
     from pipeline.engines import vllm_engine
     from pipeline.identity import target_identity
@@ -100,16 +111,19 @@ def vllm(cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]
         else:
             eng = vllm_engine.shared("eagle3", s.target.path, str(draft_dir), cfg.speculative_tokens, dtype=s.dtype,
                                      tp_size=s.tp_size, max_model_len=s.max_model_len)
-        tokens, st = eng.generate(ps, cfg.max_new_tokens)
-        if temporary:
-            eng.close()
+        try:
+            tokens, st, calls = eng.generate_recording(ps, cfg.max_new_tokens)
+        finally:
+            if temporary:
+                eng.close()
     finally:
         if temporary:
             shutil.rmtree(draft_dir, ignore_errors=True)
-    return {"measured_by": f"vllm {vllm_engine.vllm_version()} spec-decode counters", "verify_steps": st.num_drafts,
-            "draft_tokens": st.num_draft_tokens, "accepted_per_step": st.num_accepted_tokens / max(st.num_drafts, 1),
-            "mean_acceptance_length": st.mean_acceptance_length, "acceptance_per_pos": st.acceptance_per_pos,
-            "lossless": tokens == expected, "k": cfg.speculative_tokens}
+    acc = {"measured_by": f"vllm {vllm_engine.vllm_version()} spec-decode counters", "verify_steps": st.num_drafts,
+           "draft_tokens": st.num_draft_tokens, "accepted_per_step": st.num_accepted_tokens / max(st.num_drafts, 1),
+           "mean_acceptance_length": st.mean_acceptance_length, "acceptance_per_pos": st.acceptance_per_pos,
+           "lossless": tokens == expected, "k": cfg.speculative_tokens}
+    return Served(acc, tokens, calls)
 
 
 def sglang(cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]) -> dict:
@@ -125,5 +139,5 @@ def sglang(cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int
     finally:
         if temporary:
             shutil.rmtree(draft_dir, ignore_errors=True)
-    return {"measured_by": "sglang meta_info (spec_verify_ct, spec_accept_length)", **st,
-            "lossless": tokens == expected, "k": cfg.speculative_tokens}
+    return Served({"measured_by": "sglang meta_info (spec_verify_ct, spec_accept_length)", **st,
+                   "lossless": tokens == expected, "k": cfg.speculative_tokens}, tokens, None)

@@ -25,10 +25,15 @@ def label(point: CapturePoint, n: int) -> str:
 
 
 def check_slots(
-    trained: list[CapturePoint], fed: list[CapturePoint], fingerprints: dict[str, torch.Tensor],
-    replayed: dict[str, torch.Tensor], n: int, tol: Tolerances,
+    trained: list[CapturePoint], fed: list[CapturePoint | None], fingerprints: dict[str, torch.Tensor],
+    replayed: dict[str, torch.Tensor], n: int, tol: Tolerances, fed_by: str = "rule",
+    predicted: list[CapturePoint] | None = None, unmatched: list[str] | None = None,
 ) -> list[SlotCheck]:
-    """``fingerprints``: slot point -> training sketch; ``replayed``: boundary point -> sketch."""
+    """``fingerprints``: slot point -> training sketch; ``replayed``: boundary point -> sketch.
+
+    ``fed``: per slot, the boundary the engine feeds -- measured (``fed_by="measured"``; None
+    where the fed values match no boundary, described by ``unmatched``) or from its rule.
+    """
     boundaries = conventions.all_boundaries(n)
     out = []
     for s, t in enumerate(trained):
@@ -36,10 +41,12 @@ def check_slots(
         errs = {str(b): rel_l2(replayed[str(b)], ref) for b in boundaries if str(b) in replayed}
         best = min(errs, key=errs.get)
         f = fed[s] if s < len(fed) else None
+        extra = {"fed_by": fed_by, "predicted": predicted[s] if predicted and s < len(predicted) else None}
         if f is None:
-            out.append(SlotCheck(slot=s, trained=t, fed=None, errors=errs, best=best, ok=False,
-                                 message=f"slot {s}: the engine feeds no tensor here (it reads {len(fed)} aux ids, "
-                                         f"the draft has {len(trained)} slots)"))
+            msg = (f"slot {s}: the values the engine feeds match {unmatched[s]}" if unmatched and s < len(unmatched)
+                   else f"slot {s}: the engine feeds no tensor here (it reads {len(fed)} aux ids, the draft has "
+                        f"{len(trained)} slots)")
+            out.append(SlotCheck(slot=s, trained=t, fed=None, errors=errs, best=best, ok=False, message=msg, **extra))
             continue
         fkey = str(conventions.boundary_point(f.boundary(n), n)) if f.boundary(n) is not None else str(f)
         fed_err = errs[fkey]
@@ -57,7 +64,7 @@ def check_slots(
             msg = (f"slot {s}: the training values of {label(t, n)} match no boundary of the serving target "
                    f"(closest {label(CapturePoint.parse(best), n)} at rel L2 {errs[best]:.3f} > tolerance "
                    f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance")
-        out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg))
+        out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg, **extra))
     return out
 
 
@@ -67,10 +74,11 @@ def _position(p: CapturePoint, n: int) -> int:
     return n + 1 if b is None else b
 
 
-def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str) -> str:
-    """What to write so the engine feeds exactly the trained points."""
+def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str, release: str = conventions.NEWEST,
+             runner: str | None = None) -> str:
+    """What to write so the engine release feeds exactly the trained points."""
     try:
-        ids = conventions.aux_ids_for(trained, engine, n, family)  # type: ignore[arg-type]
+        ids = conventions.aux_ids_for(trained, engine, n, family, release, runner)  # type: ignore[arg-type]
     except conventions.ConventionError as e:
         return f"{engine} cannot be configured to feed these points: {e}"
     where = f"eagle_config.{conventions.AUX_KEY}" if engine == "sglang" else f"top-level {conventions.AUX_KEY}"

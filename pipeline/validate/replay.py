@@ -74,7 +74,8 @@ def _replay_sglang(cfg: ValidateConfig, fp: Fingerprints, n: int) -> dict[str, t
 
     s = cfg.serving
     family = sglang_engine.family_for(s.target.path, s.engine_family)
-    points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family)]
+    version = s.engine_version or conventions.NEWEST
+    points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family, version)]
     eng = sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family)
     try:
         per_point = eng.capture_tensors([fp.tokens(i) for i in range(len(fp.sample_ids))])

