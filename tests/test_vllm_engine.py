@@ -144,8 +144,8 @@ def set_ids(ids, nested=False):
     (set_ids([1, 2, 3]), "vllm", ["slot 0 is fed o_0 (r_1)", "shifted by -1"]),
     (set_ids([2, 3, 5]), "vllm", ["slot 2 is fed o_4 (r_5)"]),
     (set_ids([0, 2, 3]), "vllm", ["slot 0 is fed embedding (r_0)", "shifted by -2"]),
-    (None, "sglang", [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1",
-                      "V2 runner) reads"]),  # nested-only (SGLang format): V1 reads it as r-ids, V2 never
+    (set_ids([1, 2, 3], nested=True), "vllm", [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1",
+                                               "V2 runner) reads"]),  # SGLang format: V1 reads r-ids, V2 never
 ], ids=["plus-one", "minus-one", "one-slot", "embedding-first", "nested-only"])
 def test_wrong_configs_blocked_by_the_measured_feed(vllm_engine, trained_run, tiny_target, tmp_path, edit, export,
                                                    needles):
@@ -158,7 +158,7 @@ def test_wrong_configs_blocked_by_the_measured_feed(vllm_engine, trained_run, ti
     assert all(s.fed_by == "measured" for s in r.slots)
     # The measurement agrees with the table here, and verify steps feed what prefill did.
     assert r.feed["disagreements"] == [] and not any("verify steps" in x for x in r.reasons)
-    assert r.feed["vs_training_rel_l2"][0] > 0.1  # slot 0 is wrong in every case: far from its training values
+    assert max(r.feed["vs_training_rel_l2"]) > 0.1  # a wrong slot's values are far from its training values
     assert r.acceptance["note"].startswith("measured for the report only")
 
 

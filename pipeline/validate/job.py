@@ -117,8 +117,13 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
     # Serve the draft as configured and measure what reaches its fc (where the engine can run it).
     servable = (s.replay == "engine" and not wrong_release and not reading.error
                 and len(reading.points) == len(trained))
-    served = _serve(cfg, art, draft_cfg_path, fp) if servable and cfg.acceptance_prompts > 0 else None
-    feed: dict = {}
+    served, feed = None, {}
+    if servable and cfg.acceptance_prompts > 0:
+        try:
+            served = _serve(cfg, art, draft_cfg_path, fp)
+        except Exception as e:  # the engine refused the draft as configured: that is the finding
+            reasons.append(f"{s.engine} failed to serve the draft as configured: {type(e).__name__}: {str(e)[:300]}")
+            feed = {"not_measured": "the engine failed to start or serve the draft"}
     if served is not None and served.feed_calls is not None:
         measured, unmatched, feed = _measured_feed(cfg, fp, served, replayed, trained, n)
         feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n)
@@ -128,7 +133,9 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         slots = check_slots(trained, measured, fp.sketches, replayed, n, cfg.tolerances, fed_by="measured",
                             predicted=reading.points, unmatched=unmatched)
     else:
-        if s.replay == "engine" and servable:
+        if feed:
+            pass
+        elif s.replay == "engine" and servable:
             feed = {"not_measured": "acceptance_prompts = 0: the draft was not served"}
         elif s.replay == "engine":
             feed = {"not_measured": "not served: " + ("another engine release is installed" if wrong_release else
