@@ -85,3 +85,15 @@ def test_provenance_native_ids(tiny_target):
     assert eng.engine_ref(C.final("pre")).native_id is None   # HF hidden_states[N] is post-norm
     with pytest.raises(ValueError, match="6 decoder layers"):
         HFEngine(tiny_target, [C.layer_output(6)], dtype="float32", device="cpu")
+
+
+def test_every_engine_implements_the_whole_contract():
+    """HF, vLLM and SGLang engines are TargetEngines with nothing left abstract (a missing
+    method would make the class uninstantiable: caught here, without starting an engine)."""
+    from pipeline.engines.base import TargetEngine
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.sglang_engine import SGLangEngine
+    from pipeline.engines.vllm_engine import VLLMEngine
+
+    for cls in (HFEngine, VLLMEngine, SGLangEngine):
+        assert issubclass(cls, TargetEngine) and not cls.__abstractmethods__, (cls, cls.__abstractmethods__)

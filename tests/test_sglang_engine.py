@@ -7,6 +7,7 @@ computed with ``pipeline.conventions``, so a wrong rule there fails here."""
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -114,7 +115,10 @@ def test_sglang_replay_without_sglang_is_a_clear_input_error(trained_run, tiny_t
 
 class FakeSGLang:
     """Stands in for ``sglang`` (which cannot run here): an HF target that captures what
-    SGLang's llama model file captures for the draft config it is given."""
+    SGLang 0.5.23's llama model file captures for the draft config it is given, decodes
+    greedily, and -- when served with Strata's recorder package, as ``serve_eagle3`` asks --
+    writes the draft inputs the recorder would (next tokens, ``token_offset`` 1). The draft
+    itself is not run: every step verifies one token (no drafts accepted)."""
 
     __version__ = "0.5.23"
 
@@ -122,18 +126,43 @@ class FakeSGLang:
         def __init__(self, **kw):
             from transformers import AutoModelForCausalLM
 
-            self.kw = kw
+            self.kw, self.calls = kw, 0
             self.model = AutoModelForCausalLM.from_pretrained(kw["model_path"], dtype=torch.float32)
-            cfg = json.loads((Path(kw["speculative_draft_model_path"]) / "config.json").read_text())
             n = self.model.config.num_hidden_layers
-            self.rs = sglang_captures(cfg["eagle_config"][AUX_KEY], "llama", n)
+            self.rs = None
+            if kw.get("speculative_draft_model_path"):
+                cfg = json.loads((Path(kw["speculative_draft_model_path"]) / "config.json").read_text())
+                self.rs = sglang_captures((cfg.get("eagle_config") or {}).get(AUX_KEY), "llama", n)
+            # Read when the engine starts, like SGLang's scheduler processes do.
+            self.feed = os.environ.get("STRATA_SGLANG_FEED_DIR") if os.environ.get(
+                "SGLANG_EXTERNAL_MODEL_PACKAGE") == "pipeline.engines.sglang_models" else None
 
+        @torch.no_grad()
         def generate(self, input_ids, sampling_params, return_hidden_states=False):
+            from pipeline.engines.feed_files import write_call
+
             outs = []
             for ids in input_ids:
-                hs = self.model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-                flat = torch.cat([hs[k][0] for k in self.rs], dim=-1)
-                outs.append({"output_ids": [0], "meta_info": {"hidden_states": [flat.tolist()]}})
+                seq = list(ids)
+                for _ in range(sampling_params["max_new_tokens"]):
+                    seq.append(int(self.model(torch.tensor([seq])).logits[0, -1].argmax()))
+                meta = {}
+                if self.rs is not None:
+                    hs = self.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+                    flat = torch.cat([hs[k][0] for k in self.rs], dim=-1)
+                    if return_hidden_states:
+                        meta["hidden_states"] = [flat[: len(ids)].tolist()]
+                    new = len(seq) - len(ids)
+                    meta.update(spec_verify_ct=new, completion_tokens=new)
+                    if self.feed:  # prefill: the prompt's rows; then one row per verified token
+                        n_in = len(ids)
+                        write_call(Path(self.feed), self.calls, torch.tensor(seq[1:n_in + 1]), torch.arange(n_in),
+                                   flat[:n_in], token_offset=1)
+                        for q in range(n_in, len(seq) - 1):
+                            write_call(Path(self.feed), self.calls + q, torch.tensor([seq[q + 1]]), torch.tensor([q]),
+                                       flat[q:q + 1], token_offset=1)
+                        self.calls += len(seq)
+                outs.append({"output_ids": seq[len(ids):], "meta_info": meta})
             return outs
 
         def shutdown(self):
@@ -159,6 +188,37 @@ def test_sglang_capture_plumbing_with_a_fake_engine(tiny_target, monkeypatch):
         b = bits_to_torch(join_planes(list(want.planes[str(p)])), "float32")
         assert torch.allclose(a, b, atol=1e-6), p
     assert eng.engine_ref(lo(0)).native_id == 0 and eng.engine_ref(lo(0)).native_id_convention == "sglang_llama_aux_layer_id"
+
+
+def validate_through_fake_sglang(trained_run, tiny_target, tmp_path, ids=None):
+    from pipeline.validate.job import run_validate
+    from schemas.validation import ValidateConfig
+
+    art = trained_run / "export" / "sglang"
+    cfg = json.loads((art / "config.json").read_text())
+    if ids is not None:
+        cfg["eagle_config"][AUX_KEY] = ids
+    (tmp_path / "served.json").write_text(json.dumps(cfg))
+    return run_validate(ValidateConfig.model_validate({
+        "artifact": str(art), "acceptance_prompts": 2, "max_new_tokens": 6,
+        "tolerances": {"acceptance_vs_predicted": 0.0, "acceptance_floor": 1.0},
+        "serving": {"engine": "sglang", "replay": "engine", "dtype": "float32", "target": {"path": str(tiny_target)},
+                    "draft_config": str(tmp_path / "served.json")}}))
+
+
+def test_sglang_measured_feed_plumbing_with_a_fake_engine(trained_run, tiny_target, tmp_path, monkeypatch):
+    """serve_eagle3 -> recorder environment -> recorded next-token rows -> per-slot boundaries."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "sglang", FakeSGLang)
+    r = validate_through_fake_sglang(trained_run, tiny_target, tmp_path)
+    assert r.decision == "pass", r.reasons
+    assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == []
+    assert r.feed["recorded_rows"]["verify"] > 0 and max(r.feed["vs_training_rel_l2"]) < 1e-4
+    assert "STRATA_SGLANG_FEED_DIR" not in os.environ  # restored after serving
+    shifted = validate_through_fake_sglang(trained_run, tiny_target, tmp_path, ids=[2, 3, 4])
+    assert shifted.decision == "block" and all(s.fed_by == "measured" for s in shifted.slots)
+    assert any("slot 0 is fed o_2 (r_3)" in x and "shifted by +1" in x for x in shifted.reasons), shifted.reasons
 
 
 @pytest.mark.gpu
@@ -187,3 +247,18 @@ def test_gpu_sglang_capture_matches_hf_and_serves_losslessly(trained_run, tiny_t
         "serving": {"engine": "sglang", "replay": "engine", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
     assert r.decision == "pass", r.reasons
     assert r.acceptance["lossless"]
+    # The feed was measured inside SGLang (the recorder draft class), on prefill at least; verify
+    # rows are recorded where the draft runs eagerly (a CUDA-graph replay runs no Python).
+    assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == [], r.feed
+    print("SGLang recorded draft-input rows:", r.feed["recorded_rows"])
+    art = trained_run / "export" / "sglang"
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["eagle_config"][AUX_KEY] = [i + 1 for i in cfg["eagle_config"][AUX_KEY]]
+    served = trained_run / "served-plus-one.json"
+    served.write_text(json.dumps(cfg))
+    bad = run_validate(ValidateConfig.model_validate({
+        "artifact": str(art), "acceptance_prompts": 2, "tolerances": {"acceptance_vs_predicted": 0.0},
+        "serving": {"engine": "sglang", "replay": "engine", "dtype": "float32", "target": {"path": str(tiny_target)},
+                    "draft_config": str(served)}}))
+    assert bad.decision == "block" and all(s.fed_by == "measured" for s in bad.slots)
+    assert any("shifted by +1" in x for x in bad.reasons), bad.reasons

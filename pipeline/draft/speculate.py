@@ -48,8 +48,12 @@ class TargetRunner:
         _, layers, norm = decoder_parts(model)
         self._store: dict[int, torch.Tensor] = {}
         self.slots = list(range(len(aux_points)))
-        for i, p in enumerate(aux_points):
-            hook_capture_point(layers, norm, p, self._store, i)
+        self._hooks = [hook_capture_point(layers, norm, p, self._store, i) for i, p in enumerate(aux_points)]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,7 @@ engine names a point natively (for provenance) without starting it.
 
 from __future__ import annotations
 
+from pipeline.engines.base import TargetEngine
 from schemas.capture import CapturePoint
 from schemas.config import ExtractConfig
 from schemas.provenance import EngineRef
@@ -44,7 +45,7 @@ def same_release(a: str, b: str) -> bool:
     return a.split("+")[0] == b.split("+")[0]
 
 
-def open_engine(cfg: ExtractConfig):
+def open_engine(cfg: ExtractConfig) -> TargetEngine:
     """The capture engine for ``cfg`` (loads the target; seconds to a minute)."""
     e = cfg.engine
     if e.name == "vllm":

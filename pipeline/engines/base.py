@@ -1,12 +1,18 @@
-"""The engine interface: a host for the target model that captures typed points.
+"""The engine contract: a host for the target model that the pipeline and the gate talk to.
 
-HF transformers lives beside this file; vLLM and SGLang engines implement the same
-interface so the extraction job and the validator do not care which one runs.
+Every engine (HF transformers in ``hf.py``, vLLM in ``vllm_engine.py``, SGLang in
+``sglang_engine.py``) implements :class:`TargetEngine`: capture typed points (extraction and
+replay), decode greedily with the target alone (the losslessness reference), serve an
+EAGLE-3 draft exactly as a deployment would and return acceptance together with the draft
+inputs it observed (the measured feed), and close. The extraction job, replay and acceptance
+dispatch through this interface, never on an engine's name.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -16,7 +22,31 @@ from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 
-class CaptureEngine(Protocol):
+@dataclass
+class FeedCall:
+    """One step's input to the draft's fc, as the engine handed it over.
+
+    ``token_ids[j]`` is the token at ``positions[j]`` (``token_offset`` 0), or the token after
+    it (1: SGLang hands the draft the next tokens); ``aux`` is [T, n_slots * H].
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    aux: torch.Tensor
+    token_offset: int = 0
+
+
+@dataclass
+class ServeResult:
+    """A draft served through an engine: emitted tokens, acceptance as the engine counted it,
+    and per prompt the draft inputs it recorded (None where the engine cannot be observed)."""
+
+    outputs: list[list[int]]
+    acceptance: dict
+    feed: list[list[FeedCall]] | None
+
+
+class TargetEngine(ABC):
     name: str
     version: str
     num_layers: int
@@ -24,17 +54,50 @@ class CaptureEngine(Protocol):
     dtype: str
     points: list[CapturePoint]
 
-    def engine_ref(self, point: CapturePoint) -> EngineRef:
-        """How this engine names ``point`` natively (for provenance)."""
-        ...
-
-    def plan_batches(self, lengths: list[int]) -> list[list[int]]:
-        """Group sample indices into forward batches."""
-        ...
+    @abstractmethod
+    def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """Per configured point, one [T, H] tensor per sequence, in input order."""
 
     def capture(self, sequences: list[list[int]]) -> CapturedBatch:
-        """Run one batch and return every configured point as host byte planes."""
-        ...
+        """Every configured point as host byte planes (what the extraction writer stores)."""
+        return captured_batch(self.capture_tensors(sequences), self.dtype)
+
+    @abstractmethod
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Target-only greedy continuations."""
+
+    @abstractmethod
+    def serve_draft(self, draft_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, k: int,
+                    feed_points: list[CapturePoint] | None = None) -> ServeResult:
+        """Greedy speculative decoding with the draft as configured in ``draft_dir``.
+
+        ``feed_points``: only for engines without reading rules of their own (HF), which
+        feed the draft these points.
+        """
+
+    @abstractmethod
+    def engine_ref(self, point: CapturePoint) -> EngineRef:
+        """How this engine names ``point`` natively (for provenance)."""
+
+    @abstractmethod
+    def plan_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Group sample indices into forward batches."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the model and every process or file the engine started."""
+
+
+def acceptance(measured_by: str, k: int, verify_steps: int, accepted_per_pos: list[int] | None,
+               accepted: int | None = None, **extra) -> dict:
+    """The acceptance summary every engine reports: a verify step emits the accepted drafts plus
+    one target token, so mean acceptance length = 1 + accepted / steps."""
+    steps = max(verify_steps, 1)
+    accepted = sum(accepted_per_pos) if accepted is None else accepted
+    return {"measured_by": measured_by, "verify_steps": verify_steps, "accepted_per_step": accepted / steps,
+            "mean_acceptance_length": 1.0 + accepted / steps, "k": k,
+            "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
+            **extra}
 
 
 def captured_batch(per_point: dict[str, list[torch.Tensor]], dtype: str) -> CapturedBatch:

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from pipeline import conventions
-from pipeline.engines.base import plan_by_tokens
+from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
 from pipeline.store.encoding import TORCH_DTYPES, split_planes
 from pipeline.store.writer import CapturedBatch
 from schemas.capture import CapturePoint
@@ -68,7 +68,9 @@ def hook_capture_point(
     return layers[k - 1].register_forward_hook(save_output)  # r_k = o_{k-1}: output of layer k-1
 
 
-class HFEngine:
+class HFEngine(TargetEngine):
+    """The target in HF transformers with forward hooks; serves drafts by reference speculation."""
+
     name = "hf"
 
     def __init__(
@@ -83,6 +85,7 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         self.version = transformers.__version__
+        self.model_dir = str(model_dir)
         self.dtype = dtype
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         self.batch_tokens = batch_tokens
@@ -161,6 +164,44 @@ class HFEngine:
                 torch.cuda.current_stream(d).synchronize()
         self._captured.clear()
         return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()})
+
+    @torch.inference_mode()
+    def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
+        """One sequence per forward (no padding in the batch: exactly what serving one request sees)."""
+        out: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
+        for seq in sequences:
+            self._captured.clear()
+            ids = torch.as_tensor([seq], dtype=torch.long, device=self.device)
+            self.base(input_ids=ids, use_cache=False)
+            for p in self.points:
+                out[str(p)].append(self._captured.pop(str(p))[0].to("cpu"))
+        self._captured.clear()
+        return out
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        from pipeline.draft.speculate import greedy_generate
+
+        return [greedy_generate(self.model, p, max_new_tokens) for p in prompts]
+
+    def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
+        """Strata's reference speculative decoding; HF has no reading rules, so it feeds ``feed_points``."""
+        from pipeline.draft.export import load_draft
+        from pipeline.draft.speculate import TargetRunner, speculative_generate
+
+        if not feed_points:
+            raise ValueError("the HF engine serves a draft with the points it is told to feed: pass feed_points")
+        draft = load_draft(draft_dir, self.model_dir, dtype=TORCH_DTYPES[self.dtype])
+        runner = TargetRunner(self.model, feed_points)
+        try:
+            per_pos, steps, outs = [0] * k, 0, []
+            for p in prompts:
+                res = speculative_generate(runner, draft, p, max_new_tokens, k)
+                outs.append(res.tokens)
+                steps += res.verify_steps
+                per_pos = [a + b for a, b in zip(per_pos, res.accepted_per_pos, strict=True)]
+        finally:
+            runner.close()
+        return ServeResult(outs, acceptance("reference (HF target + Strata draft)", k, steps, per_pos), None)
 
     def close(self) -> None:
         for h in self._hooks:

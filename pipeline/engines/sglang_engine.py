@@ -20,6 +20,7 @@ request, plus ``spec_accept_length`` where the version reports it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,9 +28,8 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
-from pipeline.engines.base import captured_batch, plan_by_tokens
+from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
 from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.store.writer import CapturedBatch
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -91,10 +91,10 @@ def acceptance_from_meta(meta_infos: list[dict], k: int) -> dict:
     if steps == 0:
         raise EngineError("SGLang reported spec_verify_ct = 0: speculative decoding did not run")
     reported = [float(m["spec_accept_length"]) for m in meta_infos if "spec_accept_length" in m]
-    mean_len = tokens / steps  # each verify step emits the accepted drafts plus one target token
-    return {"verify_steps": steps, "accepted_per_step": mean_len - 1, "mean_acceptance_length": mean_len,
-            "spec_accept_length_reported": sum(reported) / len(reported) if reported else None,
-            "acceptance_per_pos": None, "k": k}
+    # each verify step emits the accepted drafts plus one target token
+    return acceptance("sglang meta_info (spec_verify_ct, spec_accept_length)", k, steps, None,
+                      accepted=tokens - steps,
+                      spec_accept_length_reported=sum(reported) / len(reported) if reported else None)
 
 
 def _sglang():
@@ -116,8 +116,9 @@ def _out_ids(o: dict) -> list[int]:
     return list(o.get("output_ids") or o.get("token_ids") or [])
 
 
-class SGLangEngine:
-    """Capture through SGLang with a stub draft carrying the capture ids."""
+class SGLangEngine(TargetEngine):
+    """Capture through SGLang with a stub draft carrying the capture ids; serve drafts through
+    a second SGLang engine whose draft model records its fc input (``sglang_models``)."""
 
     name = "sglang"
 
@@ -129,6 +130,7 @@ class SGLangEngine:
         from pipeline.identity import target_identity
 
         self.version = sgl.__version__
+        self.model_dir = str(model_dir)
         self.dtype, self.tp_size, self.batch_tokens = dtype, tp_size, batch_tokens
         ident = target_identity(model_dir)
         self.num_layers, self.hidden_size = ident.num_layers, ident.hidden_size
@@ -149,9 +151,6 @@ class SGLangEngine:
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
         return plan_by_tokens(lengths, self.batch_tokens)
 
-    def capture(self, sequences: list[list[int]]) -> CapturedBatch:
-        return captured_batch(self.capture_tensors(sequences), self.dtype)
-
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         outs = _generate(self.engine, sequences, 1, return_hidden_states=True)
         per_point: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
@@ -161,6 +160,14 @@ class SGLangEngine:
                 per_point[str(p)].append(states[:, slot])
         return per_point
 
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return greedy(self.model_dir, prompts, max_new_tokens, self.dtype, self.tp_size)
+
+    def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
+        """SGLang's EAGLE3 with the draft's config as written; ``feed_points`` is ignored."""
+        return serve_eagle3(self.model_dir, draft_dir, prompts, max_new_tokens, k, self.dtype, self.tp_size,
+                            record_feed=True)
+
     def close(self) -> None:
         if getattr(self, "engine", None) is not None:
             self.engine.shutdown()
@@ -168,15 +175,39 @@ class SGLangEngine:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+FEED_PACKAGE = "pipeline.engines.sglang_models"
+
+
 def serve_eagle3(target_dir, draft_dir, prompts, max_new_tokens: int, k: int, dtype: str = "bfloat16",
-                 tp_size: int = 1) -> tuple[list[list[int]], dict]:
+                 tp_size: int = 1, record_feed: bool = False) -> ServeResult:
+    """One prompt at a time; with ``record_feed`` the draft is SGLang's own class plus a recorder
+    of its fc input (loaded through SGLANG_EXTERNAL_MODEL_PACKAGE in the scheduler processes)."""
+    from pipeline.engines.feed_files import take_calls
+    from pipeline.engines.sglang_models import FEED_DIR_ENV
+
     sgl = _sglang()
-    engine = sgl.Engine(**engine_args(target_dir, draft_dir, k, dtype, tp_size))
+    feed_dir = tempfile.mkdtemp(prefix="strata-sglang-feed-")
+    saved = {k_: os.environ.get(k_) for k_ in (FEED_DIR_ENV, "SGLANG_EXTERNAL_MODEL_PACKAGE")}
+    if record_feed:
+        os.environ.update({FEED_DIR_ENV: feed_dir, "SGLANG_EXTERNAL_MODEL_PACKAGE": FEED_PACKAGE})
     try:
-        outs = _generate(engine, prompts, max_new_tokens)
+        engine = sgl.Engine(**engine_args(target_dir, draft_dir, k, dtype, tp_size))
+        try:
+            outs, calls = [], []
+            for p in prompts:
+                outs += _generate(engine, [p], max_new_tokens)
+                calls.append(take_calls(feed_dir))
+        finally:
+            engine.shutdown()
     finally:
-        engine.shutdown()
-    return [_out_ids(o) for o in outs], acceptance_from_meta([o["meta_info"] for o in outs], k)
+        for k_, v in saved.items():
+            if v is None:
+                os.environ.pop(k_, None)
+            else:
+                os.environ[k_] = v
+        shutil.rmtree(feed_dir, ignore_errors=True)
+    return ServeResult([_out_ids(o) for o in outs], acceptance_from_meta([o["meta_info"] for o in outs], k),
+                       calls if record_feed else None)
 
 
 def greedy(target_dir, prompts, max_new_tokens: int, dtype: str = "bfloat16", tp_size: int = 1) -> list[list[int]]:

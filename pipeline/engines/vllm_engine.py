@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
-from pipeline.engines.base import captured_batch, plan_by_tokens
+from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
 from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.store.writer import CapturedBatch
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -93,14 +92,16 @@ def _tokens(o) -> list[int]:
     return list(o.outputs[0].token_ids)
 
 
-class VLLMEngine:
-    """Capture engine (same interface as the HF engine) backed by a vLLM process."""
+class VLLMEngine(TargetEngine):
+    """The target in a vLLM process: captures through ``extract_hidden_states``, decodes greedily,
+    and serves drafts through a second vLLM engine with the feed recorder attached."""
 
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
                  max_model_len: int = 4096, batch_tokens: int = 16384, kv_cache_gib: float = 1.0):
         self.version = vllm_version()
+        self.model_dir = str(model_dir)
         self.dtype = dtype
         self.tp_size = tp_size
         self.batch_tokens = batch_tokens
@@ -169,15 +170,23 @@ class VLLMEngine:
                 out[str(p)].append(states[:, slot])
         return out
 
-    def capture(self, sequences: list[list[int]]) -> CapturedBatch:
-        return captured_batch(self.capture_tensors(sequences), self.dtype)
-
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Target-only greedy continuations (the extraction 'draft' always verifies)."""
         outs = self._run(prompts, max_new_tokens)
         for seq, o in zip(prompts, outs, strict=True):
             self._load(seq, o)  # removes the capture file this request also wrote
         return [_tokens(o) for o in outs]
+
+    def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
+        """Serve through vLLM's own EAGLE-3 with the draft's config as written; vLLM's counters
+        and, per prompt, what its draft's fc received (``feed_points`` is ignored: vLLM reads
+        the draft config by its own rules)."""
+        eng = shared("eagle3", self.model_dir, str(draft_dir), k, dtype=self.dtype, tp_size=self.tp_size,
+                     max_model_len=self.max_model_len)
+        tokens, st, calls = eng.generate_recording(prompts, max_new_tokens)
+        acc = acceptance(f"vllm {self.version} spec-decode counters", k, st.num_drafts, st.accepted_per_pos,
+                         accepted=st.num_accepted_tokens, draft_tokens=st.num_draft_tokens)
+        return ServeResult(tokens, acc, calls)
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
@@ -194,14 +203,6 @@ class SpecDecodeStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: list[int] = field(default_factory=list)
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
-
-    @property
-    def acceptance_per_pos(self) -> list[float]:
-        return [a / max(self.num_drafts, 1) for a in self.accepted_per_pos]
 
 
 def read_spec_metrics(llm) -> dict[str, list[int] | int]:
@@ -253,7 +254,7 @@ class VLLMEagle3:
     def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
                            ) -> tuple[list[list[int]], SpecDecodeStats, list[list]]:
         """Like :meth:`generate`, one prompt at a time, with each prompt's recorded draft inputs."""
-        from pipeline.engines.vllm_feed import take_calls
+        from pipeline.engines.feed_files import take_calls
 
         feed_dir = tempfile.mkdtemp(prefix="strata-vllm-feed-")
         try:

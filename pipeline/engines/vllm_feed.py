@@ -16,12 +16,9 @@ rest of Strata never imports vLLM through this module.
 from __future__ import annotations
 
 import itertools
-import os
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
+from pipeline.engines.feed_files import write_call
 
 EXTENSION = "pipeline.engines.vllm_feed.FeedRecorder"
 
@@ -64,31 +61,4 @@ def _write_call(out: Path, index: int, kwargs: dict) -> None:
         ids, pos, hs = kwargs["target_token_ids"], kwargs["target_positions"], kwargs["target_hidden_states"]
     except KeyError as e:
         raise RuntimeError(f"vLLM's drafter.propose no longer takes {e}; update pipeline/engines/vllm_feed.py") from None
-    if pos.dim() > 1:  # M-RoPE positions [3, T]: the text position is the first row
-        pos = pos[0]
-    tensors = {"token_ids": ids.detach().to("cpu", torch.int64).contiguous(),
-               "positions": pos.detach().to("cpu", torch.int64).contiguous(),
-               "aux": hs.detach().to("cpu", torch.float32).contiguous()}
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{index:08d}.tmp"
-    save_file(tensors, str(tmp))
-    os.replace(tmp, out / f"{index:08d}.st")
-
-
-@dataclass
-class FeedCall:
-    """One ``propose`` call: the rows the draft's fc received, with their tokens and positions."""
-
-    token_ids: torch.Tensor   # [T]
-    positions: torch.Tensor   # [T]
-    aux: torch.Tensor         # [T, n_slots * H]
-
-
-def take_calls(out_dir: str | Path) -> list[FeedCall]:
-    """Read and remove the calls recorded so far, in call order."""
-    calls = []
-    for f in sorted(Path(out_dir).glob("*.st")):
-        t = load_file(str(f))
-        calls.append(FeedCall(t["token_ids"], t["positions"], t["aux"]))
-        f.unlink()
-    return calls
+    write_call(out, index, ids, pos, hs, token_offset=0)

@@ -38,7 +38,8 @@ def valid_rows(calls, sequence: list[int], prompt_len: int) -> Rows:
         order = torch.argsort(c.positions)
         for j in order.tolist():
             p, t = int(c.positions[j]), int(c.token_ids[j])
-            if p >= len(sequence) or sequence[p] != t:
+            q = p + c.token_offset  # the token a row carries: at its position (vLLM) or the next (SGLang)
+            if q >= len(sequence) or sequence[q] != t:
                 break  # a rejected draft: it and every later row of this step never happened
             if p in seen:
                 continue

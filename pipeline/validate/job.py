@@ -17,19 +17,22 @@ import hashlib
 import json
 import logging
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.fingerprint import Fingerprints, projection
 from pipeline.identity import target_identity
-from pipeline.validate import checks
+from pipeline.validate import acceptance, checks
 from pipeline.validate.gate import check_slots, fix_hint, label
-from pipeline.validate.replay import replay
+from pipeline.validate.replay import open_replay_engine, replay
 from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
+from schemas.identity import TargetIdentity
 from schemas.registry import ServingConfig
-from schemas.validation import ValidateConfig, ValidationReport
+from schemas.validation import SlotCheck, ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
 
@@ -78,85 +81,104 @@ def _load_artifact(art: Path) -> tuple[DraftArtifactManifest, Fingerprints]:
     return manifest, Fingerprints.load(str(art), name=ARTIFACT_FINGERPRINTS)
 
 
-def run_validate(cfg: ValidateConfig) -> ValidationReport:
+@dataclass
+class Case:
+    """One validation's resolved inputs: the artifact, the config the engine reads, the serving
+    target and the reading rules of the serving release."""
+
+    cfg: ValidateConfig
+    art: Path
+    manifest: DraftArtifactManifest
+    fp: Fingerprints
+    draft_cfg_path: Path
+    draft_cfg_bytes: bytes
+    serving_id: TargetIdentity
+    family: str
+    release: str
+    readings: list[checks.Reading]
+
+    @property
+    def n(self) -> int:
+        return self.serving_id.num_layers
+
+    @property
+    def trained(self) -> list[CapturePoint]:
+        return list(self.manifest.aux_capture_points)
+
+
+def load_case(cfg: ValidateConfig) -> Case:
+    """Everything validation needs before any engine starts; ValidationInputError when unusable."""
     s = cfg.serving
     art = Path(cfg.artifact)
     manifest, fp = _load_artifact(art)
     draft_cfg_path = Path(s.draft_config) if s.draft_config else art / "config.json"
     draft_cfg_bytes = draft_cfg_path.read_bytes()
-    draft_cfg = json.loads(draft_cfg_bytes)
     serving_id = target_identity(s.target.path, s.target.name, s.target.revision)
     family = _family(cfg, json.loads((Path(s.target.path) / "config.json").read_text()))
-    n = serving_id.num_layers
-    trained = list(manifest.aux_capture_points)
-    reasons: list[str] = []
-
-    identity, res = checks.identity(manifest.target, serving_id)
-    reasons += res.reasons
     release = checks.serving_release(s)
     try:
-        readings = checks.rule_readings(s, release, family, draft_cfg, n)
+        readings = checks.rule_readings(s, release, family, json.loads(draft_cfg_bytes), serving_id.num_layers)
     except conventions.ConventionError as e:
         raise ValidationInputError(str(e)) from None
-    reasons += checks.reading_rule(readings, trained, s.engine, draft_cfg_path.name, n).reasons
-    reading = readings[0]
-    engine_reads = {**reading.as_dict(n), "release": release,
-                    "other_runners": [r.as_dict(n) for r in readings[1:]]}
+    return Case(cfg, art, manifest, fp, draft_cfg_path, draft_cfg_bytes, serving_id, family, release, readings)
 
+
+def run_validate(cfg: ValidateConfig) -> ValidationReport:
+    case = load_case(cfg)
     try:
-        replayed = replay(cfg, fp, n)
+        engine, owned = open_replay_engine(cfg, case.n)
     except EngineUnavailable as e:
-        raise ValidationInputError(f"replay through {s.engine} is not possible here: {e}; set "
+        raise ValidationInputError(f"replay through {cfg.serving.engine} is not possible here: {e}; set "
                                    "serving.replay: hf to replay through HF transformers with its reading rules") from None
+    try:
+        report = decide(case, engine)
+    finally:
+        if owned:
+            engine.close()
+    if cfg.report_dir:
+        from pipeline.validate.report import write_report
+
+        report.report_dir = cfg.report_dir
+        write_report(report, case.n, Path(cfg.report_dir))
+    if cfg.registry:
+        record(cfg, report, serving_config(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, case.release),
+               case.art)
+    return report
+
+
+def decide(case: Case, engine: TargetEngine) -> ValidationReport:
+    """Run the checks in order -- identity, reading rule, replay, release, measured feed, slots,
+    acceptance -- and collect every reason to block."""
+    cfg, s, n, trained, fp, art = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.art
+    draft_cfg_path, release, reading = case.draft_cfg_path, case.release, case.readings[0]
+    identity, res = checks.identity(case.manifest.target, case.serving_id)
+    reasons = res.reasons + checks.reading_rule(case.readings, trained, s.engine, draft_cfg_path.name, n).reasons
+    engine_reads = {**reading.as_dict(n), "release": release,
+                    "other_runners": [r.as_dict(n) for r in case.readings[1:]]}
+    replayed = replay(engine, fp, n, s.target.path)
     got, res = checks.installed_release(s, release)
     if got is not None:
         engine_reads["replayed_with"] = f"{s.engine} {got}"
     reasons += res.reasons
     wrong_release = bool(res.reasons)
 
-    # Serve the draft as configured and measure what reaches its fc (where the engine can run it).
-    servable = (s.replay == "engine" and not wrong_release and not reading.error
-                and len(reading.points) == len(trained))
-    served, feed = None, {}
-    if servable and cfg.acceptance_prompts > 0:
-        try:
-            served = _serve(cfg, art, draft_cfg_path, fp)
-        except Exception as e:  # the engine refused the draft as configured: that is the finding
-            reasons.append(f"{s.engine} failed to serve the draft as configured: {type(e).__name__}: {str(e)[:300]}")
-            feed = {"not_measured": "the engine failed to start or serve the draft"}
-    if served is not None and served.feed_calls is not None:
-        measured, unmatched, feed = _measured_feed(cfg, fp, served, replayed, trained, n)
-        feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n)
-        for line in feed["disagreements"]:
-            log.warning("%s", line)
-        reasons += feed.pop("reasons")
-        slots = check_slots(trained, measured, fp.sketches, replayed, n, cfg.tolerances, fed_by="measured",
-                            predicted=reading.points, unmatched=unmatched)
-    else:
-        if feed:
-            pass
-        elif s.replay == "engine" and servable:
-            feed = {"not_measured": "acceptance_prompts = 0: the draft was not served"}
-        elif s.replay == "engine":
-            feed = {"not_measured": "not served: " + ("another engine release is installed" if wrong_release else
-                                                     "the engine cannot feed this draft's slots as configured")}
-        slots = check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
-                            predicted=reading.points)
+    served, slots, feed, more = slot_table(case, engine, replayed, wrong_release)
+    reasons += more
     bad = [x for x in slots if not x.ok]
     reasons += [x.message for x in bad]
     if bad:
         if reading.ids is not None:
             reasons.append(f"{reading.rule.name} reads ids {reading.ids} from {reading.key} of {draft_cfg_path.name}")
-        reasons.append(fix_hint(trained, s.engine, n, family, release, reading.rule.runner))
+        reasons.append(fix_hint(trained, s.engine, n, case.family, release, reading.rule.runner))
 
     fed = [x.fed for x in slots]
-    accept = measure_acceptance(cfg, manifest, art, fp, fed, trained, served,
-                                blocked=bool(bad) or wrong_release or not servable)
+    accept = measure_acceptance(cfg, case.manifest, art, fp, fed, trained, served,
+                                blocked=bool(reasons))
     reasons += _acceptance_reasons(cfg, accept)
 
-    sc = serving_config(cfg, draft_cfg_bytes, serving_id.key, family, release)
-    report = ValidationReport(
-        decision="block" if reasons else "pass", reasons=reasons, artifact_digest=manifest.content_digest,
+    sc = serving_config(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, release)
+    return ValidationReport(
+        decision="block" if reasons else "pass", reasons=reasons, artifact_digest=case.manifest.content_digest,
         serving_key=sc.key, serving=sc.model_dump(mode="json") | {"attn_implementation": s.attn_implementation},
         engine_reads=engine_reads, feed=feed, slots=slots, identity=identity, acceptance=accept,
         tolerances=cfg.tolerances.model_dump(),
@@ -165,44 +187,58 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
             "note": "measured: fp32 replay of fp32 data ~1e-6; bf16 vs fp32 ~0.2-1%; eager vs sdpa ~1e-6 (fp32); "
                     "adjacent boundaries 28-96% on the tiny target"},
     )
-    if cfg.report_dir:
-        from pipeline.validate.report import write_report
-
-        report.report_dir = cfg.report_dir
-        write_report(report, n, Path(cfg.report_dir))
-    if cfg.registry:
-        record(cfg, report, sc, art)
-    return report
 
 
-def _serve(cfg: ValidateConfig, art: Path, draft_cfg_path: Path, fp: Fingerprints):
-    from pipeline.validate import acceptance
+def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: bool
+               ) -> tuple[ServeResult | None, list[SlotCheck], dict, list[str]]:
+    """Serve the draft as configured and measure what reaches its fc where the engine can run
+    it; otherwise the rule's prediction fills the slot table. Returns (served, slots, the
+    report's feed section, reasons)."""
+    cfg, s, n, trained, fp, reading = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.readings[0]
+    servable = (s.replay == "engine" and not wrong_release and not reading.error
+                and len(reading.points) == len(trained))
+    if not servable or cfg.acceptance_prompts == 0:
+        why = ("acceptance_prompts = 0: the draft was not served" if servable else
+               "not served: " + ("another engine release is installed" if wrong_release else
+                                 "the engine cannot feed this draft's slots as configured"))
+        feed = {"not_measured": why} if s.replay == "engine" else {}
+        return None, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
+                                 predicted=reading.points), feed, []
+    try:
+        served = acceptance.serve_as_configured(engine, cfg, case.art, case.draft_cfg_path, acceptance.prompts(cfg, fp))
+    except Exception as e:  # the engine refused the draft as configured: that is the finding
+        reason = f"{s.engine} failed to serve the draft as configured: {type(e).__name__}: {str(e)[:300]}"
+        return None, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
+                                 predicted=reading.points), {"not_measured": reason}, [reason]
+    if served.feed is None:  # an engine whose draft inputs cannot be observed: its rule decides
+        return served, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
+                                   predicted=reading.points), {"not_measured": "the engine's feed is not observable"}, []
+    measured, unmatched, feed = _measured_feed(cfg, fp, engine, served, replayed, trained, n)
+    feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n)
+    for line in feed["disagreements"]:
+        log.warning("%s", line)
+    slots = check_slots(trained, measured, fp.sketches, replayed, n, cfg.tolerances, fed_by="measured",
+                        predicted=reading.points, unmatched=unmatched)
+    return served, slots, feed, feed.pop("reasons")
 
-    return getattr(acceptance, cfg.serving.engine)(cfg, art, draft_cfg_path, acceptance.prompts(cfg, fp))
 
-
-def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, served, replayed: dict, trained: list[CapturePoint],
-                   n: int) -> tuple[list[CapturePoint | None], list[str], dict]:
+def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, engine: TargetEngine, served: ServeResult, replayed: dict,
+                   trained: list[CapturePoint], n: int) -> tuple[list[CapturePoint | None], list[str], dict]:
     """Per slot, the boundary the engine fed (None: none matched), and the report's feed section."""
     import torch
 
-    from pipeline.engines import vllm_engine
     from pipeline.fingerprint import sketch
     from pipeline.validate import feed as F
-    from pipeline.validate.acceptance import prompts
 
-    s = cfg.serving
-    keys = [str(b) for b in conventions.all_boundaries(n)[:-1]]  # r_0..r_N: what an engine can feed
+    # Every residual boundary the engine captures (engines never feed post-norm states).
+    keys = [str(p) for p in engine.points if p.boundary(n) is not None]
     offsets = [sum(fp.lengths[:i]) for i in range(len(fp.lengths))]
-    ps = prompts(cfg, fp)
+    ps = acceptance.prompts(cfg, fp)
     seqs = [p + out for p, out in zip(ps, served.outputs, strict=True)]
-    capture = vllm_engine.shared("capture", s.target.path, [CapturePoint.parse(k) for k in keys], dtype=s.dtype,
-                                 tp_size=s.tp_size, max_model_len=s.max_model_len)
-    hidden = capture.hidden_size
-    proj = projection(hidden, fp.dim, fp.seed)
-    final = capture.capture_tensors(seqs)
+    proj = projection(engine.hidden_size, fp.dim, fp.seed)
+    final = engine.capture_tensors(seqs)
     per_request, training = [], []
-    for i, (p, calls) in enumerate(zip(ps, served.feed_calls, strict=True)):
+    for i, (p, calls) in enumerate(zip(ps, served.feed, strict=True)):
         o, length = offsets[i], fp.lengths[i]
         rows = F.valid_rows(calls, seqs[i], len(p))
         prompt_refs = {k: replayed[k][o:o + length] for k in keys}
@@ -222,6 +258,7 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, served, replayed: dict
             reasons.append(f"slot {slot} is fed {pre.describe(lab)} on prefill but {ver.describe(lab)} on verify "
                            "steps: the engine feeds the draft different layers while decoding")
     section = {"measured_with": served.acceptance.get("measured_by"), "reasons": reasons,
+               "recorded_rows": {"prefill": m.prefill[0].rows, "verify": m.verify[0].rows if m.verify else 0},
                "prefill": [x.describe(lab) for x in m.prefill],
                "verify": [x.describe(lab) for x in m.verify] if m.verify else "no verify rows (no draft accepted)",
                "vs_training_rel_l2": m.vs_training,
@@ -232,9 +269,7 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, served, replayed: dict
 
 
 def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art: Path, fp: Fingerprints,
-                       fed: list, trained: list, served, blocked: bool) -> dict:
-    from pipeline.validate import acceptance
-
+                       fed: list, trained: list, served: ServeResult | None, blocked: bool) -> dict:
     if cfg.acceptance_prompts == 0:
         return {"skipped": "acceptance_prompts = 0"}
     if any(f is None for f in fed) or len(fed) != len(trained):
