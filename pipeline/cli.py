@@ -7,6 +7,7 @@ import logging
 import sys
 
 from schemas.config import ConfigError
+from schemas.registry import InvalidName
 
 log = logging.getLogger("strata")
 
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, InvalidName) as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - one readable line, details with -v

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import UTC, datetime
 from typing import Literal
 
@@ -12,6 +13,29 @@ from pydantic import BaseModel, ConfigDict, Field
 
 def _now() -> str:
     return datetime.now(UTC).isoformat()
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_CHANNEL = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class InvalidName(ValueError):
+    """A channel name or digest that must not become an object key."""
+
+
+def check_digest(digest: str, what: str = "artifact digest") -> str:
+    """A content digest as the registry stores it: 64 lowercase hex characters, nothing else."""
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise InvalidName(f"{what} {digest!r} is not a SHA-256 digest (64 lowercase hex characters)")
+    return digest
+
+
+def check_channel(channel: str) -> str:
+    """Channel names become object keys: lowercase letters, digits, '-' and '_' only."""
+    if not isinstance(channel, str) or not _CHANNEL.match(channel):
+        raise InvalidName(f"channel name {channel!r} is not allowed: use 1-63 lowercase letters, digits, '-' or '_', "
+                         "starting with a letter or digit")
+    return channel
 
 
 class ServingConfig(BaseModel):
@@ -37,6 +61,9 @@ class ServingConfig(BaseModel):
 
 
 class ValidationRecord(BaseModel):
+    """A validation verdict, immutable once written: stored under the SHA-256 of its body (every
+    field but ``signature``), which an HMAC ``signature`` covers when the registry has a key."""
+
     model_config = ConfigDict(extra="forbid")
 
     record_id: str
@@ -46,6 +73,15 @@ class ValidationRecord(BaseModel):
     reasons: list[str] = []
     created_at: str = Field(default_factory=_now)
     report_uri: str | None = None
+    signature: str | None = None           # hex HMAC-SHA256 of body() with the registry's signing key
+
+    def body(self) -> bytes:
+        d = self.model_dump(mode="json", exclude={"signature"})
+        return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.body()).hexdigest()
 
 
 class ChannelSpec(BaseModel):
@@ -64,6 +100,7 @@ class ChannelPointer(BaseModel):
     channel: str
     artifact_digest: str
     record_id: str
+    record_digest: str | None = None       # the content digest of the passing record it was promoted on
     serving_key: str
     previous_digest: str | None = None
     updated_at: str = Field(default_factory=_now)

@@ -161,3 +161,86 @@ def test_promote_cli_exit_codes(tmp_path, capsys):
     assert "refused" in out and "accepted" in out
     assert strata(["registry", "ls", "--registry", str(reg_dir)]) == 0
     assert f"channel production   -> {digest[:16]}" in capsys.readouterr().out
+
+
+# -- a gate no one can walk around ---------------------------------------------------------------
+def two_artifacts(registry, tmp_path):
+    (da, a), (db, b) = artifact(tmp_path, 21), artifact(tmp_path, 22)
+    registry.add_artifact(da)
+    registry.add_artifact(db)
+    registry.create_channel("production", SERVING)
+    return a, b
+
+
+def test_a_record_copied_to_another_artifact_does_not_promote_it(registry, tmp_path):
+    a, b = two_artifacts(registry, tmp_path)
+    key_a = registry.add_record(record(a))
+    body = registry.store.get(key_a)[0]
+    registry.store.put(key_a.replace(f"records/{a}/", f"records/{b}/"), body)   # A's pass under B's folder
+    with pytest.raises(PromotionRefused, match=f"is a record of artifact {a[:16]}, not {b[:16]}"):
+        registry.promote(b, "production")
+    assert registry.pointer("production")[0] is None
+
+
+def test_an_edited_record_does_not_count(registry, tmp_path):
+    a, _ = two_artifacts(registry, tmp_path)
+    key = registry.add_record(record(a, decision="block", reasons=["slot 0 is fed o_2"]))
+    edited = ValidationRecord.model_validate_json(registry.store.get(key)[0]).model_copy(
+        update={"decision": "pass", "reasons": []})
+    registry.store.put(key, edited.model_dump_json().encode())                  # block -> pass in place
+    with pytest.raises(PromotionRefused, match="edited after it was written"):
+        registry.promote(a, "production")
+    assert registry.pointer("production")[0] is None
+
+
+def test_a_record_dated_in_the_future_does_not_count(registry, tmp_path):
+    a, _ = two_artifacts(registry, tmp_path)
+    registry.add_record(record(a, decision="block", reasons=["acceptance far below"]))
+    future = record(a).model_copy(update={"created_at": "2999-01-01T00:00:00+00:00"})
+    registry.add_record(future)                       # would sort after the block and win
+    with pytest.raises(PromotionRefused, match="blocked it: acceptance far below"):
+        registry.promote(a, "production")
+
+
+def test_with_a_signing_key_only_key_holders_can_vouch(registry, tmp_path):
+    a, b = two_artifacts(registry, tmp_path)
+    keyed = Registry(registry.store, signing_key="team-secret")
+    forger = Registry(registry.store)                                   # can write the store, has no key
+    forger.add_record(record(a))
+    with pytest.raises(PromotionRefused, match="not signed: only a writer holding STRATA_REGISTRY_KEY"):
+        keyed.promote(a, "production")
+    Registry(registry.store, signing_key="another-secret").add_record(record(a))
+    with pytest.raises(PromotionRefused, match="signed with another key"):
+        keyed.promote(a, "production")
+    keyed.add_record(record(b))
+    ptr = keyed.promote(b, "production")
+    assert ptr.artifact_digest == b and ptr.record_digest == keyed.records(b, SERVING)[-1].digest
+    key = f"records/{b}/{SERVING.key}/{ptr.record_digest}.json"
+    assert registry.store.get(key) is not None                          # the pointer names the record
+
+
+@pytest.mark.parametrize("channel", ["../x", "../records", "a/b", "Prod", "", "x" * 64, ".hidden"])
+def test_channel_names_that_could_escape_are_refused(registry, tmp_path, channel):
+    a, _ = two_artifacts(registry, tmp_path)
+    for call in (lambda: registry.create_channel(channel, SERVING), lambda: registry.promote(a, channel),
+                 lambda: registry.pointer(channel)):
+        with pytest.raises(ValueError, match="channel name .* is not allowed"):
+            call()
+    assert registry.channels() == ["production"]
+
+
+@pytest.mark.parametrize("bad", ["D/../D", "../" + "a" * 61, "A" * 64, "a" * 63, ""])
+def test_digests_that_are_not_digests_are_refused(registry, tmp_path, bad):
+    two_artifacts(registry, tmp_path)
+    for call in (lambda: registry.promote(bad, "production"), lambda: registry.artifact(bad),
+                 lambda: registry.records(bad)):
+        with pytest.raises(ValueError, match="is not a SHA-256 digest"):
+            call()
+    assert registry.pointer("production")[0] is None
+
+
+def test_invalid_names_are_usage_errors_in_the_cli(tmp_path, capsys):
+    from pipeline.cli import main as strata
+
+    assert strata(["promote", "D/../D", "--channel", "production", "--registry", str(tmp_path / "r")]) == 2
+    assert "is not a SHA-256 digest" in capsys.readouterr().err

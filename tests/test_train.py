@@ -257,3 +257,21 @@ def test_exported_artifact_carries_the_dataset_fingerprints(tiny_target, dataset
     assert art["fingerprints"]["sha256"] == ds_fp["sha256"] and art["fingerprints"]["probe_samples"] == 16
     fp = fpm.Fingerprints.load(str(run / "export/sglang"), name=ARTIFACT_FINGERPRINTS)
     assert fp.points == [*AUX, "final:post_norm"] and len(fp.sample_ids) == 16
+
+
+def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
+    """Before any step: SGLang 0.5.11 has a fixed three-slot fc, so a two-slot draft exported
+    for it could never load; a newer release reads the slot count from the config."""
+    from pipeline.train.trainer import check_servable
+
+    cfg = TrainConfig.model_validate({"dataset": "unused", "target": {"path": "unused"}, "output": "unused",
+                                      "export": {"engines": ["sglang"], "engine_versions": {"sglang": "0.5.11"}}})
+    aux = [C.layer_output(1), C.layer_output(2)]
+    with pytest.raises(ProvenanceMismatch, match="refusing to train.*sglang 0.5.11 has a fixed three-slot fc"):
+        check_servable(cfg, aux, 6, {"model_type": "llama"})
+    check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine_versions": {}})}),
+                   aux, 6, {"model_type": "llama"})  # newest SGLang: fine
+    with pytest.raises(ProvenanceMismatch, match=r"the embedding \(r_0\)"):
+        check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(
+            update={"engine_versions": {"sglang": "0.5.21"}})}), [C.embedding(), *aux, C.layer_output(3)][:3],
+            6, {"model_type": "llama"})

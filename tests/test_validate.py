@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from pipeline.draft.export import content_digest
 from pipeline.validate.job import ValidationInputError, run_validate
 from schemas.validation import ValidateConfig
 
@@ -139,17 +140,36 @@ def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     fp.rms["layer_output:5"] = ds_fp.rms["final:post_norm"]
     fp.digests["layer_output:5"] = ds_fp.digests["final:post_norm"]
     fp.points = ["layer_output:1", "layer_output:2", "layer_output:5"]
-    fp.save(str(art), name=ARTIFACT_FINGERPRINTS)
+    _, fp_sha = fp.save(str(art), name=ARTIFACT_FINGERPRINTS)
     m = DraftArtifactManifest.model_validate_json((art / "strata_artifact.json").read_text())
     m.aux_capture_points = [m.aux_capture_points[0], m.aux_capture_points[1], m.aux_capture_points[0].layer_output(5)]
-    (art / "strata_artifact.json").write_text(m.model_dump_json())
     cfg = json.loads((art / "config.json").read_text())
     cfg[AUX_KEY] = [2, 3, 6]
     (art / "config.json").write_text(json.dumps(cfg))
+    # Sealed like an export of such a mislabelled run would be (digests match the files).
+    m.fingerprints = {**m.fingerprints, "sha256": fp_sha}
+    m.content_digest = content_digest(art)
+    (art / "strata_artifact.json").write_text(m.model_dump_json())
     r = run_validate(ValidateConfig.model_validate({
         "artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
         "acceptance_prompts": 0}))
     blocked(r, "slot 2 is fed o_5 (r_6)", "whose values match final post-norm (final_post)")
+
+
+@pytest.mark.parametrize("name, offset", [("strata_fingerprints.st", -3), ("model.safetensors", -5),
+                                          ("config.json", 2)])
+def test_artifact_files_are_verified_before_use(run_dir, tiny_target, tmp_path, name, offset):
+    """A 2-byte flip in the fingerprints used to pass (or mislead the diagnosis)."""
+    art = tmp_path / "art"
+    shutil.copytree(run_dir / "export" / "vllm", art)
+    blob = bytearray((art / name).read_bytes())
+    blob[offset] ^= 0x01
+    blob[offset - 1] ^= 0x01
+    (art / name).write_bytes(bytes(blob))
+    with pytest.raises(ValidationInputError, match="modified"):
+        run_validate(ValidateConfig.model_validate({
+            "artifact": str(art), "acceptance_prompts": 0,
+            "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
 
 
 def test_serving_target_with_other_weights(run_dir, tiny_target, tmp_path):

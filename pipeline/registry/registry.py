@@ -2,23 +2,30 @@
 
 Layout inside the store:
     artifacts/<digest>/{config.json, model.safetensors, strata_artifact.json}
-    records/<digest>/<serving key>/<record id>.json
+    records/<digest>/<serving key>/<record digest>.json   immutable, content-addressed
     channels/<name>/spec.json          the channel's serving configuration (write-once)
     channels/<name>/pointer.json       which artifact it serves (conditional updates only)
     audit/<timestamp>-<uuid>.json      one object per decision, never overwritten
 
 A channel moves only to an artifact with a passing record for that channel's serving
 configuration, by a conditional write on the pointer: of two concurrent promotions one
-wins, the other is refused and audited.
+wins, the other is refused and audited. A record counts only when it is what its key says:
+its body hashes to its file name, it names this artifact and exactly the channel's serving
+configuration, it is not dated in the future, and -- when the registry has a signing key
+(``STRATA_REGISTRY_KEY``) -- its HMAC verifies, so a writer without the key cannot forge one.
+The pointer names the record it was promoted on by digest. Trust model: README, "Registry".
 """
 
 from __future__ import annotations
 
 import getpass
+import hashlib
+import hmac
 import logging
+import os
 import socket
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from pipeline.registry.store import ObjectStore, PreconditionFailed
@@ -29,11 +36,15 @@ from schemas.registry import (
     ChannelSpec,
     ServingConfig,
     ValidationRecord,
+    check_channel,
+    check_digest,
 )
 
 log = logging.getLogger(__name__)
 
 ARTIFACT_FILES = ("config.json", "model.safetensors", ARTIFACT_MANIFEST)
+SIGNING_KEY_ENV = "STRATA_REGISTRY_KEY"
+CLOCK_SKEW = timedelta(minutes=5)
 
 
 class PromotionRefused(RuntimeError):
@@ -50,8 +61,37 @@ def _actor() -> str:
 
 
 class Registry:
-    def __init__(self, store: ObjectStore):
+    def __init__(self, store: ObjectStore, signing_key: str | bytes | None = None):
+        """``signing_key`` (default: $STRATA_REGISTRY_KEY): records are signed when written and
+        must verify to count; without one, anyone who can write the store is trusted."""
         self.store = store
+        key = signing_key if signing_key is not None else os.environ.get(SIGNING_KEY_ENV) or None
+        self._key = key.encode() if isinstance(key, str) else key
+
+    def _sign(self, record: ValidationRecord) -> str:
+        return hmac.new(self._key, record.body(), hashlib.sha256).hexdigest()  # type: ignore[arg-type]
+
+    def record_problems(self, record: ValidationRecord, key: str, digest: str, serving: ServingConfig | None) -> list[str]:
+        """Why a stored record does not vouch for ``digest`` under ``serving`` (empty: it does)."""
+        problems = []
+        if key.rsplit("/", 1)[-1] != f"{record.digest}.json":
+            problems.append(f"{key} does not hold the record its name says (content digest {record.digest[:16]}): "
+                            "edited after it was written")
+        if record.artifact_digest != digest:
+            problems.append(f"{key} is a record of artifact {record.artifact_digest[:16]}, not {digest[:16]}")
+        if serving is not None and record.serving != serving:
+            problems.append(f"{key} was validated for serving configuration {record.serving.key}, not exactly "
+                            f"{serving.key}")
+        try:
+            created = datetime.fromisoformat(record.created_at)
+            if created.tzinfo is None or created > datetime.now(UTC) + CLOCK_SKEW:
+                problems.append(f"{key} is dated {record.created_at}, in the future")
+        except ValueError:
+            problems.append(f"{key} has no valid created_at ({record.created_at!r})")
+        if self._key is not None and not (record.signature and hmac.compare_digest(record.signature, self._sign(record))):
+            problems.append(f"{key} is {'not signed' if not record.signature else 'signed with another key'}: only a "
+                            f"writer holding {SIGNING_KEY_ENV} may record validations")
+        return problems
 
     # -- audit ----------------------------------------------------------------------------
     def _audit(self, entry: AuditEntry) -> None:
@@ -96,6 +136,7 @@ class Registry:
         """Download an artifact into ``dest`` (a new directory) and check its content digest."""
         from pipeline.draft.export import content_digest
 
+        check_digest(digest)
         m = self.artifact(digest)
         if m is None:
             raise KeyError(f"artifact {digest[:16]} is not in the registry")
@@ -119,6 +160,7 @@ class Registry:
                                details=record.model_dump(mode="json")))
 
     def artifact(self, digest: str) -> DraftArtifactManifest | None:
+        check_digest(digest)
         got = self.store.get(f"artifacts/{digest}/{ARTIFACT_MANIFEST}")
         return DraftArtifactManifest.model_validate_json(got[0]) if got else None
 
@@ -126,26 +168,45 @@ class Registry:
         return sorted({k.split("/")[1] for k in self.store.list("artifacts/") if k.endswith(ARTIFACT_MANIFEST)})
 
     # -- records ------------------------------------------------------------------------------
-    def add_record(self, record: ValidationRecord) -> None:
+    def add_record(self, record: ValidationRecord) -> str:
+        """Write a record under its content digest (signed when the registry has a key); its key."""
+        check_digest(record.artifact_digest)
         if self.artifact(record.artifact_digest) is None:
             raise ValueError(f"no artifact {record.artifact_digest[:16]} in the registry: add it before its records")
-        key = f"records/{record.artifact_digest}/{record.serving.key}/{record.record_id}.json"
+        if self._key is not None:
+            record = record.model_copy(update={"signature": self._sign(record)})
+        key = f"records/{record.artifact_digest}/{record.serving.key}/{record.digest}.json"
         self.store.put(key, record.model_dump_json().encode(), if_none_match=True)
         self._audit(AuditEntry(action="add_record", decision="accepted", artifact_digest=record.artifact_digest,
                                serving_key=record.serving.key, reasons=[f"{record.decision}: {r}" for r in record.reasons],
                                actor=_actor()))
+        return key
 
     def records(self, digest: str, serving: ServingConfig | None = None) -> list[ValidationRecord]:
+        """The records that vouch for ``digest`` (under ``serving``, when given), oldest first."""
+        return [r for r, problems in self.all_records(digest, serving) if not problems]
+
+    def all_records(self, digest: str, serving: ServingConfig | None = None
+                    ) -> list[tuple[ValidationRecord, list[str]]]:
+        """Every record stored under ``digest`` with what is wrong with it, oldest first."""
+        check_digest(digest)
         prefix = f"records/{digest}/" + (f"{serving.key}/" if serving else "")
         out = []
         for k in self.store.list(prefix):
             got = self.store.get(k)
-            if got:
-                out.append(ValidationRecord.model_validate_json(got[0]))
-        return sorted(out, key=lambda r: r.created_at)
+            if not got:
+                continue
+            try:
+                r = ValidationRecord.model_validate_json(got[0])
+            except ValueError as e:
+                log.warning("unreadable validation record %s: %s", k, str(e).splitlines()[0])
+                continue
+            out.append((r, self.record_problems(r, k, digest, serving)))
+        return sorted(out, key=lambda x: x[0].created_at)
 
     # -- channels -------------------------------------------------------------------------------
     def create_channel(self, channel: str, serving: ServingConfig) -> ChannelSpec:
+        check_channel(channel)
         spec = ChannelSpec(channel=channel, serving=serving)
         try:
             self.store.put(f"channels/{channel}/spec.json", spec.model_dump_json().encode(), if_none_match=True)
@@ -159,10 +220,12 @@ class Registry:
         return spec
 
     def channel_spec(self, channel: str) -> ChannelSpec | None:
+        check_channel(channel)
         got = self.store.get(f"channels/{channel}/spec.json")
         return ChannelSpec.model_validate_json(got[0]) if got else None
 
     def pointer(self, channel: str) -> tuple[ChannelPointer | None, str | None]:
+        check_channel(channel)
         got = self.store.get(f"channels/{channel}/pointer.json")
         return (ChannelPointer.model_validate_json(got[0]), got[1]) if got else (None, None)
 
@@ -171,6 +234,8 @@ class Registry:
 
     def promote(self, digest: str, channel: str) -> ChannelPointer:
         """Point ``channel`` at ``digest`` if a passing record covers the channel's serving config."""
+        check_channel(channel)
+        check_digest(digest)
         spec = self.channel_spec(channel)
         reasons: list[str] = []
         record = None
@@ -179,7 +244,8 @@ class Registry:
         elif self.artifact(digest) is None:
             reasons.append(f"artifact {digest[:16]} is not in the registry")
         else:
-            recs = self.records(digest, spec.serving)
+            found = self.all_records(digest, spec.serving)
+            recs = [r for r, problems in found if not problems]
             if not recs:
                 others = self.records(digest)
                 reasons.append(
@@ -187,6 +253,7 @@ class Registry:
                     f"{spec.serving.key} ({spec.serving.engine} {spec.serving.engine_version}, {spec.serving.dtype}, "
                     f"TP {spec.serving.tp_size})" + (f"; records exist for {sorted({r.serving.key for r in others})}" if others else "")
                 )
+                reasons += [p for _, problems in found for p in problems]
             else:
                 record = recs[-1]
                 if record.decision != "pass":
@@ -196,6 +263,7 @@ class Registry:
             self._refuse(channel, digest, spec, reasons)
         current, etag = self.pointer(channel)
         new = ChannelPointer(channel=channel, artifact_digest=digest, record_id=record.record_id,  # type: ignore[union-attr]
+                             record_digest=record.digest,  # type: ignore[union-attr]
                              serving_key=spec.serving.key, previous_digest=current.artifact_digest if current else None)  # type: ignore[union-attr]
         try:
             if etag is None:

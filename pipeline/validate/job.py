@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.draft.export import content_digest
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.fingerprint import Fingerprints, projection
@@ -78,6 +79,15 @@ def _load_artifact(art: Path) -> tuple[DraftArtifactManifest, Fingerprints]:
     if not manifest.fingerprints or not (art / ARTIFACT_FINGERPRINTS).exists():
         raise ValidationInputError(f"{art}: the artifact carries no training fingerprints; re-export it from a dataset "
                                    "extracted with fingerprint.probe_samples > 0")
+    # Every file is checked against the manifest before it is used: a flipped byte in the
+    # fingerprints would otherwise become a wrong diagnosis, in the weights a wrong verdict.
+    if (got := content_digest(art)) != manifest.content_digest:
+        raise ValidationInputError(f"{art}: weights + config.json hash to {got[:16]}, the manifest says "
+                                   f"{manifest.content_digest[:16]}: the artifact was modified; re-export or re-fetch it")
+    fp_sha = hashlib.sha256((art / ARTIFACT_FINGERPRINTS).read_bytes()).hexdigest()
+    if fp_sha != manifest.fingerprints.get("sha256"):
+        raise ValidationInputError(f"{art / ARTIFACT_FINGERPRINTS}: sha256 {fp_sha[:16]} does not match the manifest's "
+                                   f"{str(manifest.fingerprints.get('sha256'))[:16]}: the fingerprints were modified")
     return manifest, Fingerprints.load(str(art), name=ARTIFACT_FINGERPRINTS)
 
 
