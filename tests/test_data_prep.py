@@ -119,3 +119,42 @@ def test_parquet_source_reads_both_shapes(tmp_path):
         scan_source(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="cannot tell the format"):
         scan_source(str(tmp_path / "conv.txt"))
+
+
+# -- rows that must be quarantined, never stop a job ------------------------------------------------
+def test_poison_rows_are_bad_rows_with_a_reason():
+    with pytest.raises(BadRow, match=r"content contains \\ud800, a lone surrogate"):
+        parse_row(b'{"messages": [{"role": "user", "content": "x\\ud800y"}, {"role": "assistant", "content": "y"}]}')
+    with pytest.raises(BadRow, match="lone surrogate"):  # in a field that is not content
+        parse_row(b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], '
+                  b'"id": "\\udfff"}')
+    with pytest.raises(BadRow, match="nested deeper"):
+        parse_row(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_quarantine_keeps_a_hash_and_a_bounded_prefix():
+    from pipeline.extract.worker import QUARANTINE_PREFIX, quarantine_record
+
+    data = b'{"messages": "' + b"x" * 50_000_000 + b'"'
+    q = quarantine_record("s.jsonl", 7, "malformed JSON", data)
+    assert q["bytes"] == len(data) and q["truncated"] and len(q["line"]) == QUARANTINE_PREFIX
+    assert len(json.dumps(q)) < 2 * QUARANTINE_PREFIX
+
+
+def test_parquet_source_ignores_extra_columns(tmp_path):
+    import datetime
+
+    msgs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]] * 2
+    t = pa.table({"messages": msgs, "ts": [datetime.datetime(2026, 1, 1)] * 2, "blob": [b"\x00\xff", b"x"]})
+    pq.write_table(t, tmp_path / "c.parquet")
+    rows = scan_source(str(tmp_path / "c.parquet")).rows
+    assert [parse_row(r.data).messages for r in rows] == msgs
+
+
+def test_parquet_source_errors_name_the_file(tmp_path):
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "no-conv.parquet")
+    with pytest.raises(ValueError, match=r"no-conv.parquet'.*no messages or conversations column"):
+        scan_source(str(tmp_path / "no-conv.parquet"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"broken.parquet'.*not a readable Parquet file"):
+        scan_source(str(tmp_path / "broken.parquet"))

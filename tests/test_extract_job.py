@@ -23,6 +23,9 @@ BAD = [
     b'{"messages": [{"role": "user", "content": "only a question"}]}',
     b'{"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "y"}]}',
     b'{"messages": [{"role": "user", "content": "\xff\xfe"}, {"role": "assistant", "content": "y"}]}',
+    # Poison rows that used to stop the whole extraction on every run:
+    b'{"messages": [{"role": "user", "content": "x\\ud800y"}, {"role": "assistant", "content": "y"}]}',
+    b"[" * 100_000 + b"]" * 100_000,
 ]
 
 
@@ -62,12 +65,15 @@ def test_extract_on_ray_reconciles_and_quarantines(ray_connected, tiny_target, s
     q = [json.loads(x) for x in (tmp_path / "ds" / "quarantine.jsonl").read_text().splitlines()]
     assert sorted(x["source_row"] for x in q) == [3 + 7 * i for i in range(len(BAD))]
     reasons = sorted(x["reason"] for x in q)
-    for want in ("malformed JSON", "turn 0: unknown role 'robot'", "no assistant turn", "turn 0: empty content", "invalid UTF-8"):
+    for want in ("malformed JSON", "turn 0: unknown role 'robot'", "no assistant turn", "turn 0: empty content", "invalid UTF-8",
+                 "turn 0: content contains \\ud800, a lone surrogate", "JSON nested deeper"):
         assert any(r.startswith(want) for r in reasons), (want, reasons)
     r = DatasetReader(cfg.output.uri)
     ids = [s.sample_id for s in r.iter_samples()]
     assert len(ids) == len(set(ids)) == m.totals.rows
     assert not (tmp_path / "ds" / "_tmp").exists()
+    deep = next(x for x in q if x["reason"].startswith("JSON nested deeper"))  # capped, hashed
+    assert deep["bytes"] == 200_000 and len(deep["line"]) == 4096 and deep["truncated"] and len(deep["sha256"]) == 64
     # Re-running a finished job is a no-op that returns the same dataset.
     assert run_extract(cfg, progress=False).dataset_id == m.dataset_id
     # strata inspect: provenance per column, shard table, totals.
@@ -77,6 +83,29 @@ def test_extract_on_ray_reconciles_and_quarantines(ray_connected, tiny_target, s
     assert f"input {nrows} = written {m.totals.rows} + quarantined {len(BAD)}" in out
     assert strata(["inspect", cfg.output.uri, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dataset_id"] == m.dataset_id
+
+
+def test_resume_ignores_and_removes_a_torn_commit_record(tiny_target, source, tmp_path):
+    """A writer killed while publishing a unit record leaves a temp sibling: it is no commit."""
+    from pipeline.extract.job import ExtractionError
+    from schemas.config import load_config
+
+    src, nrows = source
+    cfg = load_config(write_config(tmp_path, tiny_target, src, tmp_path / "ds"), ExtractConfig)
+    first = run_extract(cfg, progress=False, use_ray=False)
+    units = tmp_path / "ds" / "_units"
+    # The state of a run killed while committing unit 0: no manifest, unit 0's record half-written.
+    (tmp_path / "ds" / "manifest.json").unlink()
+    (units / "unit-00000.json").unlink()
+    torn = units / ".unit-00000.json.tmp-dead"
+    torn.write_bytes(b'{"unit": 0, "sha')
+    again = run_extract(cfg, progress=False, use_ray=False)
+    assert again.dataset_id == first.dataset_id and again.totals.input_rows == nrows and not torn.exists()
+    assert (units / "unit-00000.json").exists()
+    (tmp_path / "ds" / "manifest.json").unlink()
+    (units / "unit-00099.json").write_bytes(b"not a record")
+    with pytest.raises(ExtractionError, match=r"unit-00099.json: unreadable commit record"):
+        run_extract(cfg, progress=False, use_ray=False)
 
 
 def run_job(cfg_path, env_extra, cluster):

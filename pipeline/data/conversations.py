@@ -13,6 +13,9 @@ ROLE_ALIASES = {
 }
 
 
+UNREADABLE = "_strata_unreadable"  # set by the Parquet reader for a row it could not turn into JSON
+
+
 class BadRow(ValueError):
     """A row that cannot become a training sample; the message is the quarantine reason."""
 
@@ -25,7 +28,11 @@ class Conversation:
 
 def content_digest(obj: object) -> str:
     canon = json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canon.encode()).hexdigest()
+    try:
+        return hashlib.sha256(canon.encode()).hexdigest()
+    except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800": not Unicode text
+        raise BadRow(f"text contains {canon[e.start:e.end].encode('unicode_escape').decode()}, a lone surrogate "
+                     "that is not valid Unicode") from None
 
 
 def parse_row(data: bytes) -> Conversation:
@@ -40,8 +47,12 @@ def parse_row(data: bytes) -> Conversation:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
         raise BadRow(f"malformed JSON: {e.msg} at column {e.colno}") from None
+    except RecursionError:
+        raise BadRow("JSON nested deeper than the parser's recursion limit") from None
     if not isinstance(obj, dict):
         raise BadRow(f"expected a JSON object, got {type(obj).__name__}")
+    if UNREADABLE in obj:
+        raise BadRow(obj[UNREADABLE])
     if "messages" in obj and obj["messages"] is not None:
         turns, role_key, content_key = obj["messages"], "role", "content"
     elif "conversations" in obj and obj["conversations"] is not None:
@@ -63,6 +74,12 @@ def parse_row(data: bytes) -> Conversation:
             raise BadRow(f"turn {i}: content is {type(content).__name__}, expected a string")
         if not content.strip():
             raise BadRow(f"turn {i}: empty content")
+        if not content.isascii():
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise BadRow(f"turn {i}: content contains {content[e.start:e.end].encode('unicode_escape').decode()}, "
+                             "a lone surrogate that is not valid Unicode") from None
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant turn: nothing to train on")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from pipeline.data.conversations import UNREADABLE
 from pipeline.store.fs import resolve
 
 
@@ -48,8 +49,11 @@ def scan_source(uri: str, fmt: str = "auto", s3: object | None = None) -> Source
     info = fs.get_file_info(path)
     if info.type != pafs.FileType.File:
         raise FileNotFoundError(f"source.uri {uri!r} does not exist or is not a file")
-    with fs.open_input_stream(path) as f:
-        blob = f.read()
+    try:
+        with fs.open_input_stream(path) as f:
+            blob = f.read()
+    except OSError as e:
+        raise OSError(f"source.uri {uri!r}: cannot read it: {e}") from None
     digest = hashlib.sha256(blob).hexdigest()
     if fmt == "jsonl":
         lines = blob.split(b"\n")
@@ -57,11 +61,33 @@ def scan_source(uri: str, fmt: str = "auto", s3: object | None = None) -> Source
             lines.pop()
         rows = [RawRow(i, line.rstrip(b"\r")) for i, line in enumerate(lines)]
     else:
-        import pyarrow as pa
-
-        table = pq.read_table(pa.BufferReader(blob))
-        rows = [RawRow(i, json.dumps(r, ensure_ascii=False, sort_keys=True).encode()) for i, r in enumerate(_iter_rows(table))]
+        rows = _parquet_rows(uri, blob)
     return SourceScan(uri=uri, format=fmt, sha256=digest, rows=rows)
+
+
+CONVERSATION_COLUMNS = ("messages", "conversations")
+
+
+def _parquet_rows(uri: str, blob: bytes) -> list[RawRow]:
+    """The conversation column of each row as canonical JSON; other columns (ids, timestamps,
+    binary blobs) are not part of a conversation and are ignored."""
+    import pyarrow as pa
+
+    try:
+        table = pq.read_table(pa.BufferReader(blob))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"source.uri {uri!r}: not a readable Parquet file: {e}") from None
+    keep = [c for c in CONVERSATION_COLUMNS if c in table.column_names]
+    if not keep:
+        raise ValueError(f"source.uri {uri!r}: no {' or '.join(CONVERSATION_COLUMNS)} column; it has "
+                         f"{table.column_names}")
+    rows = []
+    for i, r in enumerate(_iter_rows(table.select(keep))):
+        try:
+            rows.append(RawRow(i, json.dumps(r, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")))
+        except (TypeError, ValueError) as e:  # a conversation field holding non-JSON values: that row is bad
+            rows.append(RawRow(i, json.dumps({UNREADABLE: f"not JSON-representable: {type(e).__name__}: {e}"}).encode()))
+    return rows
 
 
 def _iter_rows(table) -> Iterator[dict]:

@@ -78,9 +78,20 @@ def extraction_json(cfg: ExtractConfig) -> str:
 
 
 def _committed(fs, root: str) -> dict[int, ShardRecord]:
+    """The committed units. Only ``unit-NNNNN.json`` is a commit record: a writer killed while
+    publishing leaves a ``.unit-NNNNN.json.tmp-*`` sibling, which is removed here."""
     out = {}
     for path in list_files(fs, join(root, layout.UNITS_DIR)):
-        rec = ShardRecord.model_validate_json(read_bytes(fs, path))
+        name = path.rsplit("/", 1)[-1]
+        if name.startswith("."):
+            log.info("removing %s: a commit record that was never published", path)
+            fs.delete_file(path)
+            continue
+        try:
+            rec = ShardRecord.model_validate_json(read_bytes(fs, path))
+        except ValueError as e:
+            raise ExtractionError(f"{path}: unreadable commit record ({str(e).splitlines()[0]}); it was not written by "
+                                  "Strata's atomic commit: delete it to re-extract that unit") from None
         out[rec.unit] = rec
     return out
 

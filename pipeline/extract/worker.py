@@ -6,6 +6,7 @@ hosting the engine); tests and benchmarks call them directly.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import queue
@@ -49,6 +50,17 @@ def _encoder(model_dir: str, max_length: int, policy: str) -> ChatEncoder:
     return ChatEncoder(model_dir, max_length, policy)
 
 
+QUARANTINE_PREFIX = 4096  # bytes of a bad row kept for a person to read; the whole row is in the source
+
+
+def quarantine_record(uri: str, row: int, reason: str, data: bytes) -> dict:
+    """What the quarantine keeps of a bad row: where it is, why, its hash and a bounded prefix."""
+    return {"source_uri": uri, "source_row": row, "reason": reason, "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "line": data[:QUARANTINE_PREFIX].decode("utf-8", errors="replace"),
+            "truncated": len(data) > QUARANTINE_PREFIX}
+
+
 def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) -> TokenizedUnit:
     """Parse, template and tokenize rows; every failure becomes a quarantine record."""
     enc = _encoder(cfg.target.path, cfg.max_length, cfg.length_policy)
@@ -59,10 +71,7 @@ def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) 
             conv = parse_row(data)
             e = enc.encode(conv.messages)
         except BadRow as err:
-            out.quarantine.append({
-                "source_uri": cfg.source.uri, "source_row": row, "reason": str(err),
-                "line": data.decode("utf-8", errors="replace"),
-            })
+            out.quarantine.append(quarantine_record(cfg.source.uri, row, str(err), data))
             continue
         out.samples.append(SampleMeta(
             sample_id=layout.sample_id(cfg.source.uri, row, conv.content_sha256),
