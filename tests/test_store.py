@@ -152,6 +152,27 @@ def test_reader_refuses_corrupt_and_missing_shards(tiny_target, conversations, t
         list(DatasetReader(cfg.output.uri).iter_samples())
 
 
+def test_a_manifest_listing_one_file_twice_is_refused(tiny_target, conversations, tmp_path):
+    """Shard 1's entry pointed at shard 0's file (path, bytes, sha256): every checksum still
+    passes, so the reader checks source rows and sample ids."""
+    from schemas.manifest import MANIFEST_NAME, DatasetManifest
+
+    cfg, m = extract(tiny_target, conversations, str(tmp_path / "ds"))
+    DatasetReader(cfg.output.uri).verify_all()  # the real dataset passes
+    path = tmp_path / "ds" / MANIFEST_NAME
+    edited = DatasetManifest.model_validate_json(path.read_text())
+    s0, s1 = edited.shards[0], edited.shards[1]
+    edited.shards[1] = s1.model_copy(update={"path": s0.path, "bytes": s0.bytes, "sha256": s0.sha256, "rows": s0.rows})
+    path.write_text(edited.model_dump_json())
+    with pytest.raises(ShardCorrupt, match=f"shard {s0.path} .* its unit {s1.unit} covers"):
+        DatasetReader(cfg.output.uri).verify_all()
+    # Edited to claim shard 0's source range as well, the manifest no longer reconciles.
+    edited.shards[1] = edited.shards[1].model_copy(update={"source_rows": s0.source_rows})
+    path.write_text(edited.model_dump_json())
+    with pytest.raises(ValueError, match="covered twice"):
+        DatasetReader(cfg.output.uri).verify_all()
+
+
 @pytest.mark.s3
 def test_s3_round_trip_is_bit_exact(tiny_target, conversations, s3_server):
     uri = f"s3://{s3_server['bucket']}/datasets/tiny-bf16"

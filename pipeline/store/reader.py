@@ -132,9 +132,28 @@ class DatasetReader:
             )
 
     def verify_all(self) -> None:
-        """Check every shard's existence and checksum up front (raises ShardCorrupt naming it)."""
+        """Check every shard up front (raises ShardCorrupt naming it): exists, checksum, carries
+        our provenance, holds exactly its unit's source rows, and no sample id twice in the
+        dataset -- a manifest edited to list one file twice is self-consistent otherwise."""
+        seen: dict[str, str] = {}
         for shard in self.shards:
-            self.read_shard(shard)
+            table = self.read_shard(shard)
+            ids = table.column("sample_id").to_pylist()
+            rows = self._source_rows(shard)
+            lo, hi = shard.source_rows
+            if len(ids) != shard.rows or any(not lo <= r < hi for r in rows):
+                raise ShardCorrupt(f"shard {shard.path} of {self.uri} holds {len(ids)} rows from source rows "
+                                   f"{min(rows, default=None)}..{max(rows, default=None)}; its unit {shard.unit} covers "
+                                   f"{lo}..{hi - 1} with {shard.rows} rows: the manifest points at another unit's file")
+            for sid in ids:
+                if sid in seen:
+                    raise ShardCorrupt(f"sample {sid} is in shard {shard.path} and in {seen[sid]} of {self.uri}: "
+                                       "the dataset lists a sample twice; re-extract it")
+                seen[sid] = shard.path  # type: ignore[assignment]
+
+    def _source_rows(self, shard: ShardRecord) -> list[int]:
+        with self.fs.open_input_file(join(self.root, shard.path)) as f:  # type: ignore[arg-type]
+            return pq.ParquetFile(f).read(columns=["source_row"]).column("source_row").to_pylist()
 
     def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:
         """One row group, without re-hashing the shard (call verify_all first)."""
