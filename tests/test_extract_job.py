@@ -143,3 +143,41 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
     m = r.manifest
     covered = sorted(x for s in m.shards for x in range(*s.source_rows))
     assert covered == list(range(nrows))
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c.update(capture=["layer_output:5", "final:pre_norm"]), "name the same tensor (r_6)"),
+    (lambda c: (c["engine"].update(name="sglang"), c.update(capture=["layer_output:1", "final:pre_norm"])),
+     "engine sglang cannot capture final:pre_norm (r_6)"),
+])
+def test_plans_that_would_fail_later_are_refused_up_front(tiny_target, source, tmp_path, edit, needle):
+    from pipeline.extract.job import ExtractionError
+    from schemas.config import validate_config
+
+    raw = json.loads(write_config(tmp_path, tiny_target, source[0], tmp_path / "ds").read_text())
+    raw["capture"] = ["embedding", "layer_output:1"]
+    edit(raw)
+    with pytest.raises(ExtractionError, match=re.escape(needle)):
+        run_extract(validate_config(raw, ExtractConfig), progress=False, use_ray=False)
+    assert not (tmp_path / "ds").exists()  # refused before anything was written
+
+
+def test_empty_source_and_missing_chat_template_are_refused(tiny_target, tmp_path):
+    import shutil
+
+    from pipeline.extract.job import ExtractionError
+    from schemas.config import load_config
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    cfg = load_config(write_config(tmp_path, tiny_target, tmp_path / "empty.jsonl", tmp_path / "ds"), ExtractConfig)
+    with pytest.raises(ExtractionError, match="has no rows: nothing to extract"):
+        run_extract(cfg, progress=False, use_ray=False)
+    bare = tmp_path / "bare-target"
+    shutil.copytree(tiny_target, bare)
+    for f in bare.glob("chat_template*"):
+        f.unlink()
+    tok_cfg = bare / "tokenizer_config.json"
+    tok_cfg.write_text(json.dumps({k: v for k, v in json.loads(tok_cfg.read_text()).items() if k != "chat_template"}))
+    cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(bare)})})
+    with pytest.raises(ExtractionError, match="has no chat template"):
+        run_extract(cfg, progress=False, use_ray=False)

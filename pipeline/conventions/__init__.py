@@ -109,6 +109,8 @@ def native_id(point: CapturePoint, tool: Tool, num_layers: int, family: str = "l
     point.validate_for(num_layers)
     try:
         return aux_ids_for([point], tool, num_layers, family, release)[0]
+    except UnknownRelease:
+        raise
     except ConventionError:
         return None
 

@@ -15,9 +15,14 @@ from schemas.provenance import EngineRef
 def engine_ref(cfg: ExtractConfig, point: CapturePoint, num_layers: int) -> EngineRef:
     e = cfg.engine
     if e.name == "vllm":
+        import json
+        from pathlib import Path
+
+        from pipeline import conventions
         from pipeline.engines.vllm_engine import vllm_engine_ref
 
-        return vllm_engine_ref(point, num_layers, e.tp_size)
+        tcfg = json.loads((Path(cfg.target.path) / "config.json").read_text())
+        return vllm_engine_ref(point, num_layers, e.tp_size, conventions.engine_family("vllm", tcfg))
     if e.name == "sglang":
         from pipeline.engines.sglang_engine import family_for, sglang_engine_ref
 

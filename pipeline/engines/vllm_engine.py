@@ -49,10 +49,11 @@ def vllm_version() -> str:
                             "vllm` on a GPU machine")
 
 
-def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1) -> EngineRef:
+def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1, family: str = "llama") -> EngineRef:
     """Provenance of a point captured through vLLM; needs no running engine."""
-    return EngineRef(name="vllm", version=vllm_version(),
-                     native_id=conventions.native_id(point, "vllm", num_layers),
+    version = vllm_version()
+    return EngineRef(name="vllm", version=version,
+                     native_id=conventions.native_id(point, "vllm", num_layers, family, version.split("+")[0]),
                      native_id_convention=conventions.native_id_convention("vllm"), tp_size=tp_size)
 
 

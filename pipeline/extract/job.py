@@ -77,6 +77,28 @@ def extraction_json(cfg: ExtractConfig) -> str:
     return json.dumps(cfg.model_dump(mode="json", exclude={"ray", "s3"}), sort_keys=True)
 
 
+def check_plan(cfg: ExtractConfig, identity: TargetIdentity) -> None:
+    """Refuse, in one line and before any engine or Ray task starts, what would fail later:
+    points outside the target, two points naming one tensor, points the engine cannot
+    capture, a target without a chat template."""
+    n = identity.num_layers
+    for p in cfg.capture:
+        p.validate_for(n)
+    for i, a in enumerate(cfg.capture):
+        for b in cfg.capture[i + 1:]:
+            if a.same_tensor(b, n):
+                raise ExtractionError(f"capture points {a} and {b} name the same tensor ({boundary_label(a, n)}) on "
+                                      f"this {n}-layer target: keep one")
+    if cfg.engine.name != "hf":
+        for p in cfg.capture:
+            if engine_ref(cfg, p, n).native_id is None:
+                raise ExtractionError(f"engine {cfg.engine.name} cannot capture {p} ({boundary_label(p, n)}) on this "
+                                      f"target: drop it or use engine hf")
+    if identity.chat_template_sha256 is None:
+        raise ExtractionError(f"target {cfg.target.path} has no chat template (chat_template.jinja or "
+                              "tokenizer_config.json chat_template): conversations cannot be rendered")
+
+
 def _committed(fs, root: str) -> dict[int, ShardRecord]:
     """The committed units. Only ``unit-NNNNN.json`` is a commit record: a writer killed while
     publishing leaves a ``.unit-NNNNN.json.tmp-*`` sibling, which is removed here."""
@@ -117,11 +139,12 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     """
     t0 = time.perf_counter()
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
-    for p in cfg.capture:
-        p.validate_for(identity.num_layers)
+    check_plan(cfg, identity)
     log.info("target %s", identity.describe())
     fs, root = resolve(cfg.output.uri, cfg.s3)
     scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
+    if not scan.rows:
+        raise ExtractionError(f"source.uri {cfg.source.uri} has no rows: nothing to extract")
     fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256)
     if exists(fs, join(root, MANIFEST_NAME)):
         m = load_manifest(cfg.output.uri, cfg.s3)
