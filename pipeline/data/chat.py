@@ -4,6 +4,10 @@ The mask comes from the template's own rendering: for assistant turn i, the text
 template adds between ``render(messages[:i], add_generation_prompt=True)`` and
 ``render(messages[:i+1])`` is what the model generates (content + end-of-turn marker).
 Tokens whose first character falls in such a span get mask 1.
+
+Message content is text, never markup: a control-token string inside content (``<|start|>``,
+``<|end|>``, ...) is tokenized as the characters it is made of, so a row cannot inject a
+fake turn into the training data. Only the template's own markup becomes control tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class ChatEncoder:
             raise TemplateError(f"{model_dir}: the tokenizer has no chat template")
         self.max_length = max_length
         self.length_policy = length_policy
+        self.control = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.content]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -57,13 +62,45 @@ class ChatEncoder:
             spans.append((len(prompt), len(upto)))
         return full, spans
 
+    def _content_spans(self, text: str, messages: list[dict]) -> list[tuple[int, int]]:
+        """Where each content holding a control-token string sits in the rendered text."""
+        spans, pos = [], 0
+        for i, m in enumerate(messages):
+            at = text.find(m["content"], pos)
+            if at < 0:
+                if any(c in m["content"] for c in self.control):
+                    raise BadRow(f"turn {i}: content holds control-token text and the chat template rewrites it, so "
+                                 "it cannot be kept as plain text")
+                continue
+            pos = at + len(m["content"])
+            if any(c in m["content"] for c in self.control):
+                spans.append((at, pos))
+        return spans
+
+    def _tokenize(self, text: str, messages: list[dict]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and character offsets; content with control-token strings is split as text."""
+        pieces, last = [], 0
+        for a, b in self._content_spans(text, messages):
+            pieces += [(last, a, False), (a, b, True)]
+            last = b
+        pieces.append((last, len(text), False))
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for a, b, as_text in pieces:
+            if a == b:
+                continue
+            enc = self.tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True,
+                                 split_special_tokens=as_text)
+            ids += enc["input_ids"]
+            offsets += [(x + a, y + a) for x, y in enc["offset_mapping"]]
+        return ids, offsets
+
     def encode(self, messages: list[dict]) -> Encoded:
         text, spans = self.assistant_spans(messages)
-        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
+        ids, offsets = self._tokenize(text, messages)
         mask = [0] * len(ids)
         j = 0
-        for t, (start, _end) in enumerate(enc["offset_mapping"]):
+        for t, (start, _end) in enumerate(offsets):
             while j < len(spans) and start >= spans[j][1]:
                 j += 1
             if j < len(spans) and spans[j][0] <= start < spans[j][1]:
