@@ -219,13 +219,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(DEMO_ROOT)
 
 
+def verify_dataset(uri: str) -> str | None:
+    """None when every shard is there, intact, holds its unit's rows and ids once, and the
+    counts add up; else what is wrong, in one line."""
+    from pipeline.store.reader import DatasetReader, ProvenanceMismatch, ShardCorrupt
+
+    try:
+        r = DatasetReader(uri)  # reconciles rows, quarantine and totals
+        r.verify_all()
+    except (ShardCorrupt, ProvenanceMismatch, ValueError, OSError) as e:
+        return str(e)
+    t, shards = r.manifest.totals, r.manifest.shards
+    for field in ("tokens", "loss_tokens", "bytes"):
+        if sum(getattr(s, field) for s in shards) != getattr(t, field):
+            return f"totals.{field} {getattr(t, field)} != the shards' sum {sum(getattr(s, field) for s in shards)}"
+    return None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from pipeline.store.reader import load_manifest
 
     m = load_manifest(args.dataset)
+    problem = verify_dataset(args.dataset) if args.verify else None
+    if problem:
+        print(f"strata inspect: {args.dataset} FAILED verification: {problem}", file=sys.stderr)
     if args.json:
         print(m.model_dump_json(indent=1))
-        return 0
+        return EXIT_BLOCKED if problem else 0
     t = m.totals
     print(f"dataset   {m.dataset_id}  (format v{m.format_version}, created {m.created_at})")
     print(f"target    {m.target.describe()}  arch {m.target.architecture}")
@@ -245,7 +265,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{s.tokens:>9} {s.bytes:>12}  {(s.sha256 or '-')[:16]}")
     print(f"totals    input {t.input_rows} = written {t.rows} + quarantined {t.quarantined}; "
           f"{t.shards} shards, {t.tokens} tokens ({t.loss_tokens} trained on), {t.bytes / 1e6:.2f} MB")
-    return 0
+    if not args.verify:
+        print("verified  no: this lists the manifest only; --verify checks checksums, row counts and sample ids")
+        return 0
+    print(f"verified  {'FAILED: ' + problem if problem else 'yes: every shard present and intact, rows and ids once, counts add up'}")
+    return EXIT_BLOCKED if problem else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -320,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
     s.add_argument("dataset")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--verify", action="store_true",
+                   help="read every shard: checksums, source rows, unique ids, totals (exit 3 when anything is off)")
     s.set_defaults(func=cmd_inspect)
     return p
 

@@ -186,3 +186,28 @@ def test_s3_round_trip_is_bit_exact(tiny_target, conversations, s3_server):
     # A manifest never carries credentials.
     body = s3_server["client"].get_object(Bucket=s3_server["bucket"], Key="datasets/tiny-bf16/manifest.json")["Body"].read()
     assert b"strata-test-secret" not in body
+
+
+def test_inspect_verify_catches_flipped_truncated_deleted_shards_and_bad_totals(tiny_target, conversations, tmp_path,
+                                                                               capsys):
+    from pipeline.cli import main as strata
+    from schemas.manifest import MANIFEST_NAME, DatasetManifest
+
+    cfg, m = extract(tiny_target, conversations, str(tmp_path / "ds"))
+    uri = cfg.output.uri
+    assert strata(["inspect", uri]) == 0 and "verified  no" in capsys.readouterr().out
+    assert strata(["inspect", uri, "--verify"]) == 0 and "verified  yes" in capsys.readouterr().out
+    shard = tmp_path / "ds" / m.shards[0].path
+    good = shard.read_bytes()
+    for broken in (good[:-1] + bytes([good[-1] ^ 1]), good[: len(good) // 2]):  # flipped, truncated
+        shard.write_bytes(broken)
+        assert strata(["inspect", uri, "--verify"]) == 3
+        assert "FAILED verification" in capsys.readouterr().err
+    shard.unlink()
+    assert strata(["inspect", uri, "--verify", "--json"]) == 3 and "missing" in capsys.readouterr().err
+    shard.write_bytes(good)
+    path = tmp_path / "ds" / MANIFEST_NAME
+    edited = DatasetManifest.model_validate_json(path.read_text())
+    edited.totals = edited.totals.model_copy(update={"tokens": edited.totals.tokens + 1})
+    path.write_text(edited.model_dump_json())
+    assert strata(["inspect", uri, "--verify"]) == 3 and "totals.tokens" in capsys.readouterr().err
