@@ -196,10 +196,17 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
 
 
 @pytest.mark.parametrize("stage, dtype", [(1, "bfloat16"), (3, "float32"), (3, "bfloat16")])
-def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset, tmp_path, stage, dtype):
-    """One in-process worker: every ZeRO stage and dtype trains, checkpoints and resumes."""
+def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset, tmp_path, stage, dtype,
+                                                            monkeypatch):
+    """One in-process worker: every ZeRO stage and dtype trains, checkpoints and resumes --
+    and leaves nothing behind in the temp directory (checkpoints are (de)serialized in memory)."""
+    import tempfile
+
     from pipeline.train import checkpoint
 
+    scratch = tmp_path / "scratch-tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     base = train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, epochs=1, max_steps=2, checkpoint_every=1,
                      metrics_every=1, eval_fraction=0.0, deepspeed={"zero_stage": stage, "dtype": dtype})
     first = run_train(TrainConfig.model_validate(base), use_ray=False)
@@ -211,6 +218,7 @@ def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset
     assert set(w2) == set(w3) and any(not torch.equal(w2[k], w3[k]) for k in w2 if w2[k].is_floating_point())
     cfg = json.loads((tmp_path / "run/export/vllm/config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+    assert not [p.name for p in scratch.iterdir() if p.name.startswith("strata-")]
 
 
 @pytest.mark.s3

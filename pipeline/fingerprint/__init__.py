@@ -9,16 +9,23 @@ preserved to ~1/sqrt(dim)), each token's RMS, and the SHA-256 of the raw tensor 
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
-from pipeline.store.fs import join, publish_local_file, read_bytes, resolve
+from pipeline.store.fs import atomic_write_bytes, join, read_bytes, resolve
 
 FINGERPRINTS_FILE = "fingerprints.safetensors"
+
+
+def safetensors_metadata(blob: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in memory (8-byte length, JSON header)."""
+    import json
+
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + n]).get("__metadata__", {})
 
 
 def projection(hidden: int, dim: int, seed: int) -> torch.Tensor:
@@ -83,26 +90,18 @@ class Fingerprints:
         for p in self.points:
             tensors[f"sketch/{p}"] = self.sketches[p].contiguous()
             tensors[f"rms/{p}"] = self.rms[p].contiguous()
-        tmp = os.path.join(tempfile.mkdtemp(prefix="strata-fp-"), name)
-        save_file(tensors, tmp, metadata=self.metadata())
-        digest = hashlib.sha256(open(tmp, "rb").read()).hexdigest()
+        blob = st_save(tensors, metadata=self.metadata())
         fs, root = resolve(uri, s3)
-        publish_local_file(tmp, fs, join(root, name))
-        return name, digest
+        atomic_write_bytes(fs, join(root, name), blob)
+        return name, hashlib.sha256(blob).hexdigest()
 
     @classmethod
     def load(cls, uri: str, s3=None, name: str = FINGERPRINTS_FILE) -> Fingerprints:
         import json
 
-        from safetensors import safe_open
-
         fs, root = resolve(uri, s3)
-        tmp = os.path.join(tempfile.mkdtemp(prefix="strata-fp-"), name)
-        with open(tmp, "wb") as f:
-            f.write(read_bytes(fs, join(root, name)))
-        with safe_open(tmp, framework="pt") as st:
-            meta = st.metadata()
-        t = load_file(tmp)
+        blob = read_bytes(fs, join(root, name))
+        meta, t = safetensors_metadata(blob), st_load(blob)
         points = json.loads(meta["points"])
         return cls(
             sample_ids=json.loads(meta["sample_ids"]), lengths=json.loads(meta["lengths"]), points=points,

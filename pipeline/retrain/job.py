@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import shutil
 import signal
 import tempfile
 import threading
@@ -115,7 +116,11 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
     artifact = _local_artifact(out, spec.serving.engine, cfg)
     from pipeline.validate.job import run_validate
 
-    report = run_validate(cfg.validate_config(str(artifact)))
+    try:
+        report = run_validate(cfg.validate_config(str(artifact)))
+    finally:
+        if out.startswith("s3://"):  # a downloaded copy: validation is done with it
+            shutil.rmtree(artifact, ignore_errors=True)
     rec.artifact_digest, rec.decision = report.artifact_digest, report.decision
     rec.reasons = list(report.reasons)
     lease.check()

@@ -14,20 +14,12 @@ partitions directly, so resume needs the same world size and ZeRO stage.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
-from pipeline.store.fs import (
-    atomic_write_bytes,
-    exists,
-    join,
-    publish_local_file,
-    read_bytes,
-    resolve,
-)
+from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
 
 LATEST = "latest.json"
 
@@ -58,19 +50,17 @@ def save(engine, run_uri: str, s3, step: int, epoch: int, rank: int, world: int,
     fs, root = resolve(run_uri, s3)
     name = f"step-{step:06d}"
     ckpt = join(root, "checkpoints", name)
-    tmp = tempfile.mkdtemp(prefix="strata-ckpt-")
     opt = engine.optimizer
     tensors: dict[str, torch.Tensor] = {"rng": torch.get_rng_state()}
     for g, flat in enumerate(_flat_partitions(opt)):
         tensors[f"fp32.{g}"] = flat.detach().cpu().clone()
         for key, val in opt.optimizer.state.get(flat, {}).items():
             tensors[f"state.{g}.{key}"] = (val if torch.is_tensor(val) else torch.tensor(val)).detach().cpu().clone()
-    save_file(tensors, os.path.join(tmp, f"rank-{rank}.safetensors"))
-    publish_local_file(os.path.join(tmp, f"rank-{rank}.safetensors"), fs, join(ckpt, f"rank-{rank}.safetensors"))
+    # Serialized in memory and published atomically: nothing is staged under /tmp.
+    atomic_write_bytes(fs, join(ckpt, f"rank-{rank}.safetensors"), st_save(tensors))
     sd = full_state_dict(engine)
     if rank == 0:
-        save_file(sd, os.path.join(tmp, "model.safetensors"))
-        publish_local_file(os.path.join(tmp, "model.safetensors"), fs, join(ckpt, "model.safetensors"))
+        atomic_write_bytes(fs, join(ckpt, "model.safetensors"), st_save(sd))
         state = {"step": step, "epoch": epoch, "world_size": world, "zero_stage": engine.zero_optimization_stage()}
         atomic_write_bytes(fs, join(ckpt, "state.json"), json.dumps(state).encode())
     barrier()
@@ -96,17 +86,12 @@ def load(engine, run_uri: str, s3, name: str, rank: int, world: int) -> dict:
             f"checkpoint {name} was written by {state['world_size']} workers with ZeRO-{state['zero_stage']}; "
             f"this run has {world} with ZeRO-{engine.zero_optimization_stage()}: set num_workers/zero_stage to match"
         )
-    tmp = tempfile.mkdtemp(prefix="strata-ckpt-")
-    local = os.path.join(tmp, "rank.safetensors")
-    with open(local, "wb") as f:
-        f.write(read_bytes(fs, join(ckpt, f"rank-{rank}.safetensors")))
-    t = load_file(local)
+    t = st_load(read_bytes(fs, join(ckpt, f"rank-{rank}.safetensors")))  # in memory: no copy under /tmp
     opt = engine.optimizer
     flats = _flat_partitions(opt)
     if engine.zero_optimization_stage() < 3:
-        with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
-            f.write(read_bytes(fs, join(ckpt, "model.safetensors")))
-        missing, unexpected = engine.module.load_state_dict(load_file(os.path.join(tmp, "model.safetensors")), strict=False)
+        weights = st_load(read_bytes(fs, join(ckpt, "model.safetensors")))
+        missing, unexpected = engine.module.load_state_dict(weights, strict=False)
         if unexpected or any(not k.startswith("embed_tokens.") for k in missing):
             raise ValueError(f"checkpoint {name}: weights do not match the draft ({missing}, {unexpected})")
     for g, flat in enumerate(flats):

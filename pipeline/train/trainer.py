@@ -8,11 +8,13 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from pipeline import conventions
 from pipeline.conventions import releases
@@ -93,7 +95,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     reader.verify_all()  # missing shard, checksum failure, mixed provenance -> raises, naming the shard
     aux, final, needs_norm = choose_points(reader, cfg)
     reader.points = [str(p) for p in aux] + [str(final)]
-    target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
+    target_cfg = json.loads(Path(cfg.target.path, "config.json").read_text())
     check_servable(cfg, aux, identity.num_layers, target_cfg)
     fs, root = resolve(cfg.output, cfg.s3)
     if cfg.init_from:
@@ -101,9 +103,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     else:
         counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
         ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
-    tmp = tempfile.mkdtemp(prefix="strata-vocab-")
-    save_file({"ids": ids, "d2t": d2t, "t2d": t2d}, os.path.join(tmp, "vocab.safetensors"))
-    publish_local_file(os.path.join(tmp, "vocab.safetensors"), fs, join(root, "vocab.safetensors"))
+    atomic_write_bytes(fs, join(root, "vocab.safetensors"), st_save({"ids": ids, "d2t": d2t, "t2d": t2d}))
     refs = index_samples(reader)
     train, held = split_eval(refs, cfg.eval_fraction)
     draft = DraftConfig.from_target(target_cfg, len(aux), int(ids.numel()))
@@ -145,7 +145,7 @@ def warm_start_vocab(cfg: TrainConfig, identity, aux: list[CapturePoint], target
         why.append("its draft shape differs from the one this target gives")
     if why:
         raise ValueError(f"init_from {art}: cannot warm-start from this draft: {'; '.join(why)}")
-    sd = load_file(str(art / WEIGHTS))
+    sd = st_load((art / WEIGHTS).read_bytes())
     t2d = sd["t2d"].bool()
     ids = t2d.nonzero().flatten()
     d2t = sd["d2t"] if "d2t" in sd else torch.zeros(ids.numel(), dtype=torch.long)
@@ -212,7 +212,7 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
     from pipeline.cluster import init_ray
 
     init_ray(cfg.ray_address)
-    storage = tempfile.mkdtemp(prefix="strata-raytrain-")
+    storage = tempfile.mkdtemp(prefix="strata-raytrain-")  # Ray Train's run state; Strata's is in cfg.output
     trainer = TorchTrainer(
         _ray_worker,
         train_loop_config={"plan_json": plan_json},
@@ -221,7 +221,10 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
         run_config=RunConfig(storage_path=storage, name="strata-train", failure_config=FailureConfig(max_failures=0)),
     )
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
     fs, root = resolve(cfg.output, cfg.s3)
     return json.loads(read_bytes(fs, join(root, "final_metrics.json")))
 
@@ -241,12 +244,9 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     name = checkpoint.latest(run_uri, s3)
     if name is None:
         raise FileNotFoundError(f"{run_uri}: no checkpoint to export yet")
-    tmp = tempfile.mkdtemp(prefix="strata-export-")
-    local = os.path.join(tmp, "model.safetensors")
-    with open(local, "wb") as f:
-        f.write(read_bytes(fs, join(root, "checkpoints", name, "model.safetensors")))
     model = Eagle3Draft(DraftConfig(**run["draft"]))
-    missing, unexpected = model.load_state_dict(load_file(local), strict=False)
+    weights = st_load(read_bytes(fs, join(root, "checkpoints", name, "model.safetensors")))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) != {"embed_tokens.weight"}:
         raise ValueError(f"checkpoint {name} does not match the run's draft: missing {missing}, unexpected {unexpected}")
     model.embed_tokens.weight.data.copy_(load_embedding(cfg.target.path))
@@ -254,7 +254,7 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     metrics_path = join(root, "final_metrics.json")
     metrics = json.loads(read_bytes(fs, metrics_path)) if exists(fs, metrics_path) else {}
-    target_cfg = json.loads(open(os.path.join(cfg.target.path, "config.json")).read())
+    target_cfg = json.loads(Path(cfg.target.path, "config.json").read_text())
     dfs, droot = resolve(dest_uri, s3) if dest_uri else (fs, join(root, "export"))
     fingerprints = None
     ds_manifest = load_manifest(cfg.dataset, cfg.s3)
@@ -262,22 +262,23 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
         rfs, rroot = resolve(cfg.dataset, cfg.s3)
         fingerprints = (read_bytes(rfs, join(rroot, ds_manifest.fingerprints["path"])), ds_manifest.fingerprints)
     out = []
-    for engine in engines or cfg.export.engines:
-        family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
-        if family == "auto":
-            family = conventions.engine_family(engine, target_cfg)
-        dest = os.path.join(tmp, engine)
-        m = export_draft(
-            model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
-            dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
-            dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
-            release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
-            training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
-            fingerprints=fingerprints,
-        )
-        for fname in os.listdir(dest):
-            publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))
-        log.info("exported %s draft (aux ids %s, %s) to %s", engine, m.aux_layer_ids, m.aux_layer_ids_convention,
-                 join(droot, engine))
-        out.append(m.model_dump(mode="json"))
+    with tempfile.TemporaryDirectory(prefix="strata-export-") as tmp:  # staged, then published
+        for engine in engines or cfg.export.engines:
+            family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
+            if family == "auto":
+                family = conventions.engine_family(engine, target_cfg)
+            dest = os.path.join(tmp, engine)
+            m = export_draft(
+                model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
+                dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
+                dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
+                release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
+                training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
+                fingerprints=fingerprints,
+            )
+            for fname in os.listdir(dest):
+                publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))
+            log.info("exported %s draft (aux ids %s, %s) to %s", engine, m.aux_layer_ids, m.aux_layer_ids_convention,
+                     join(droot, engine))
+            out.append(m.model_dump(mode="json"))
     return out
