@@ -8,6 +8,25 @@ import os
 log = logging.getLogger(__name__)
 
 
+def _loopback_only() -> None:
+    """A single-machine run has no reason to be reachable from the network.
+
+    ``_node_ip_address`` alone does not do it: Ray resolves the node IP from the machine's
+    route and its GCS, raylet and agents then listen on every interface. With Ray's cluster
+    mode off it uses the loopback address for all of them (the variable for the processes it
+    starts, the constant for this one, which read it at import). Token auth: Ray 2.60 turns
+    it on for a new local runtime unless RAY_AUTH_MODE says otherwise (and makes
+    ~/.ray/auth_token); Strata only warns when it was switched off.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        log.warning("RAY_AUTH_MODE=%s: the local Ray runtime runs without token auth", mode)
+
+
 def init_ray(address: str | None = None) -> None:
     """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray."""
     # No telemetry: clusters here reach no outside network, and Ray Data's usage
@@ -23,8 +42,8 @@ def init_ray(address: str | None = None) -> None:
         log.info("connecting to the Ray cluster at %s", addr)
         ray.init(address=addr, log_to_driver=True)
     else:
-        log.info("starting a local Ray runtime")
-        # Loopback only: a single-machine run has no reason to listen on the node's public IP.
+        log.info("starting a local Ray runtime (loopback only, token auth)")
+        _loopback_only()
         # The dashboard serves the state API that Ray Train's cleanup polls.
         ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
                  _node_ip_address="127.0.0.1")

@@ -66,3 +66,42 @@ def test_extract_train_validate_promote_through_ray_job_submit(ray_cluster, tiny
     assert reg.pointer("production")[0].artifact_digest == digest
     actions = [(e.action, e.decision) for e in reg.history()]
     assert ("add_record", "accepted") in actions and actions[-1] == ("promote", "accepted")
+
+
+LISTENERS = r"""
+import json, os, psutil
+from pipeline.cluster import init_ray
+init_ray()
+import ray
+from ray._private.authentication.authentication_utils import is_token_auth_enabled
+me = psutil.Process()
+procs = [me, *me.children(recursive=True)]
+found = []
+for p in procs:
+    try:
+        for c in p.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN:
+                found.append([p.name(), c.laddr.ip, c.laddr.port])
+    except psutil.Error:
+        pass
+print("LISTEN " + json.dumps({"listen": found, "node_ip": ray.util.get_node_ip_address(),
+                              "token_auth": is_token_auth_enabled()}))
+ray.shutdown()
+"""
+
+
+def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_path):
+    """What `strata extract`/`train` start when no cluster is given, in a clean environment (none
+    of the variables the other tests set)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_USAGE_STATS_ENABLED="0")
+    out = subprocess.run([sys.executable, "-c", LISTENERS], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("LISTEN ")), None)
+    assert line, out.stdout[-2000:] + out.stderr[-3000:]
+    got = json.loads(line[len("LISTEN "):])
+    names = {n for n, _, _ in got["listen"]}
+    assert {"gcs_server", "raylet"} <= names, got
+    outside = [x for x in got["listen"] if x[1] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
+    assert not outside, f"listening beyond loopback: {outside}"
+    assert got["node_ip"] == "127.0.0.1" and got["token_auth"] is True
