@@ -159,8 +159,8 @@ EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
+    from pipeline.registry.lease import LeaseHeld
     from pipeline.retrain.job import parse_every, run_forever, run_retrain
-    from pipeline.retrain.lease import LeaseHeld
     from schemas.config import load_config
     from schemas.retrain import RetrainConfig
 

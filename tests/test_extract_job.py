@@ -181,3 +181,40 @@ def test_empty_source_and_missing_chat_template_are_refused(tiny_target, tmp_pat
     cfg = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(bare)})})
     with pytest.raises(ExtractionError, match="has no chat template"):
         run_extract(cfg, progress=False, use_ray=False)
+
+
+def test_a_second_job_on_the_same_output_refuses_and_rows_stay_exactly_once(tiny_target, source, tmp_path):
+    import threading
+
+    from pipeline.extract.job import ExtractionError
+    from pipeline.registry.lease import Lease
+    from pipeline.registry.store import LocalStore
+    from schemas.config import load_config
+
+    src, nrows = source
+    cfg = load_config(write_config(tmp_path, tiny_target, src, tmp_path / "ds"), ExtractConfig)
+    with Lease(LocalStore(tmp_path / "ds"), "extract", ttl_s=60):  # a job that is running
+        with pytest.raises(ExtractionError, match="is being extracted by .*wait for it"):
+            run_extract(cfg, progress=False, use_ray=False)
+    # Two jobs started at once: one extracts; the other refuses, or finds the finished dataset.
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(2)
+
+    def job(i):
+        barrier.wait()
+        try:
+            results[i] = run_extract(cfg, progress=False, use_ray=False)
+        except ExtractionError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    done = [r for r in results.values() if not isinstance(r, Exception)]
+    assert len(results) == 2 and done, results
+    assert all("is being extracted by" in str(r) for r in results.values() if isinstance(r, Exception))
+    ids = [s.sample_id for s in DatasetReader(cfg.output.uri).iter_samples()]
+    assert len(ids) == len(set(ids)) == done[0].totals.rows and done[0].totals.input_rows == nrows
+    assert not (tmp_path / "ds" / "leases" / "extract.json").exists()  # released

@@ -23,6 +23,8 @@ from pipeline.engines import engine_ref
 from pipeline.extract import layout
 from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
+from pipeline.registry.lease import Lease, LeaseHeld
+from pipeline.registry.store import open_store
 from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.config import ExtractConfig
@@ -32,6 +34,7 @@ from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord, Source
 from schemas.provenance import TensorProvenance
 
 log = logging.getLogger(__name__)
+LEASE_TTL_S = 120.0  # renewed every 40 s; a crashed holder on this host is taken over at once
 
 # Test-only fault injection: the driver dies hard (like a lost head node) after N units.
 _CRASH_AFTER_UNITS = int(os.environ.get("STRATA_FAULT_CRASH_AFTER_UNITS", "0"))
@@ -152,8 +155,25 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
             log.info("dataset %s is already complete: nothing to do", m.dataset_id)
             return m
         raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
-    _check_job_file(fs, root, fingerprint, cfg)
+    # One job per output at a time: a second one started on it refuses instead of racing.
+    lease = Lease(open_store(cfg.output.uri, cfg.s3.endpoint_url), "extract", ttl_s=LEASE_TTL_S)
+    try:
+        lease.acquire()
+    except LeaseHeld as e:
+        raise ExtractionError(f"output.uri {cfg.output.uri} is being extracted by {e.holder.describe()}: wait for "
+                              "it (once it finishes, this job is a no-op) or use another output.uri") from None
+    try:
+        if exists(fs, join(root, MANIFEST_NAME)):  # finished while this job waited for the lease
+            return load_manifest(cfg.output.uri, cfg.s3)
+        _check_job_file(fs, root, fingerprint, cfg)
+        return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, t0)
+    finally:
+        lease.release()
 
+
+def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, fingerprint: str, progress: bool,
+             use_ray: bool, t0: float) -> DatasetManifest:
+    """Extract every uncommitted unit, then publish the manifest (the lease is held)."""
     schema, provs = build_schema(cfg, identity)
     units = layout.plan_units(len(scan.rows), cfg.output.rows_per_shard)
     done = _committed(fs, root)

@@ -22,10 +22,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from pipeline.identity import target_identity
+from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.registry import PromotionRefused, Registry
 from pipeline.registry.store import open_store
 from pipeline.retrain import versions
-from pipeline.retrain.lease import Lease, LeaseHeld
 from pipeline.store.reader import load_manifest
 from schemas.retrain import RetrainConfig, RunRecord
 

@@ -1,9 +1,10 @@
-"""A lease in the registry's object store: one scheduler at a time, per name.
+"""A lease in an object store (a registry, a dataset's output): one holder at a time, per name.
 
 Taken with a conditional create (If-None-Match) or, once the holder's lease has expired, a
-conditional overwrite of exactly the expired object (If-Match), so two schedulers racing for
+conditional overwrite of exactly the expired object (If-Match), so two processes racing for
 it cannot both win. The holder renews it in the background and releases it on exit with a
-conditional delete; a holder that dies simply lets it expire.
+conditional delete; a holder that dies lets it expire -- or, on the same host, is seen to be
+dead at once (its pid is gone), so a resume right after a crash need not wait out the TTL.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ class LeaseHeld(RuntimeError):
         self.holder = holder
 
 
+def _dead_on_this_host(owner: str) -> bool:
+    """``host:pid`` names a process of this host that no longer runs."""
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, someone else's
+        return False
+    return False
+
+
 class Lease:
     """``with Lease(store, name, ttl_s):`` -- raises LeaseHeld when someone else holds it."""
 
@@ -67,9 +82,11 @@ class Lease:
                 self._etag = self.store.put(self.key, self._body(), if_none_match=True)
             else:
                 holder = LeaseRecord.model_validate_json(cur[0])
-                if holder.expires_at > time.time():
+                dead = _dead_on_this_host(holder.owner)
+                if holder.expires_at > time.time() and not dead:
                     raise LeaseHeld(holder)
-                log.warning("lease %s: taking over from %s, expired", self.name, holder.describe())
+                log.warning("lease %s: taking over from %s, %s", self.name, holder.describe(),
+                            "its process is gone" if dead else "expired")
                 self._etag = self.store.put(self.key, self._body(), if_match=cur[1])
         except PreconditionFailed:
             now = self.store.get(self.key)
