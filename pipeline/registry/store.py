@@ -19,6 +19,30 @@ class PreconditionFailed(RuntimeError):
     """The object changed (or appeared) since it was read."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The store refused us (credentials) or cannot be reached: one line that says which."""
+
+
+_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+                     "InvalidToken", "403")
+
+
+def _s3_error(uri: str, key: str, e: Exception) -> Exception | None:
+    """A clear StoreUnavailable for refused credentials or an unreachable endpoint; None otherwise."""
+    from botocore.exceptions import ClientError, ConnectionError, EndpointConnectionError
+
+    if isinstance(e, ClientError):
+        code = e.response["Error"]["Code"]
+        if code in _CREDENTIAL_CODES or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 403:
+            return StoreUnavailable(f"{uri}: the S3 server refused the request for {key} ({code}): check "
+                                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for this endpoint")
+        return None
+    if isinstance(e, EndpointConnectionError | ConnectionError):
+        return StoreUnavailable(f"{uri}: cannot reach the S3 endpoint ({e}); is it running? Re-run once it is back: "
+                                "every write is atomic, so nothing half-written is left")
+    return None
+
+
 class ObjectStore(Protocol):
     uri: str
 
@@ -99,7 +123,9 @@ class S3Store:
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
         # Credentials only from the environment / AWS chain; never stored anywhere.
-        self.client = boto3.client("s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"), region_name=region)
+        # A session of its own: credentials are resolved now, not cached from the first client.
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"), region_name=region)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -112,7 +138,9 @@ class S3Store:
         except ClientError as e:
             if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 return None
-            raise
+            raise _s3_error(self.uri, key, e) or e from None
+        except Exception as e:
+            raise _s3_error(self.uri, key, e) or e from None
         return r["Body"].read(), r["ETag"]
 
     def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
@@ -130,7 +158,9 @@ class S3Store:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise PreconditionFailed(f"{key}: {code}") from None
-            raise
+            raise _s3_error(self.uri, key, e) or e from None
+        except Exception as e:
+            raise _s3_error(self.uri, key, e) or e from None
         return r["ETag"]
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
@@ -146,13 +176,19 @@ class S3Store:
                 return
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
                 raise PreconditionFailed(f"{key}: {code}") from None
-            raise
+            raise _s3_error(self.uri, key, e) or e from None
+        except Exception as e:
+            raise _s3_error(self.uri, key, e) or e from None
 
     def list(self, prefix: str) -> list[str]:
         out = []
         strip = len(self.prefix) + 1 if self.prefix else 0
-        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-            out += [o["Key"][strip:] for o in page.get("Contents", [])]
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                              Prefix=self._key(prefix)):
+                out += [o["Key"][strip:] for o in page.get("Contents", [])]
+        except Exception as e:
+            raise _s3_error(self.uri, prefix, e) or e from None
         return sorted(out)
 
 
