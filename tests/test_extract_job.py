@@ -218,3 +218,48 @@ def test_a_second_job_on_the_same_output_refuses_and_rows_stay_exactly_once(tiny
     ids = [s.sample_id for s in DatasetReader(cfg.output.uri).iter_samples()]
     assert len(ids) == len(set(ids)) == done[0].totals.rows and done[0].totals.input_rows == nrows
     assert not (tmp_path / "ds" / "leases" / "extract.json").exists()  # released
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.7])
+def test_killing_the_whole_process_tree_during_commits_loses_and_duplicates_nothing(tiny_target, source, tmp_path,
+                                                                                     delay):
+    """`python jobs/extract.py` with its own local Ray: once units start committing, SIGKILL the
+    driver and every process under it (GCS, raylet, workers) at once; the rerun finishes with
+    every source row exactly once and the shards committed before the kill untouched."""
+    import signal
+    import time
+
+    import psutil
+
+    src, nrows = source
+    out = tmp_path / "ds"
+    cfg_path = write_config(tmp_path, tiny_target, src, out)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not list((out / "_units").glob("unit-*.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(delay)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(30)
+    psutil.wait_procs(tree, timeout=30)
+    # (bytes, mtime) of every shard committed before the kill: a rewrite, even of equal bytes, shows
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (out / "shards").glob("*.parquet")
+              if (out / "_units" / p.name.replace("part", "unit").replace(".parquet", ".json")).exists()}
+    assert before, "the kill came before any unit was committed"
+    resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = DatasetReader(str(out))
+    r.verify_all()
+    rows = [s.sample_id for s in r.iter_samples()]
+    q = (out / "quarantine.jsonl").read_text().splitlines()
+    assert len(rows) == len(set(rows)) and len(rows) + len(q) == nrows
+    for name, (data, mtime) in before.items():
+        assert (out / "shards" / name).read_bytes() == data and (out / "shards" / name).stat().st_mtime_ns == mtime
