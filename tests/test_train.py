@@ -283,3 +283,26 @@ def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
         check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(
             update={"engine_versions": {"sglang": "0.5.21"}})}), [C.embedding(), *aux, C.layer_output(3)][:3],
             6, {"model_type": "llama"})
+
+
+def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny_target, dataset, tmp_path):
+    """The state a kill leaves while step 6's checkpoint is being written -- a torn rank file, no
+    state.json, latest.json still at step 4 -- resumes from step 4 and ends exactly where an
+    uninterrupted run does."""
+    from pipeline.train import checkpoint
+
+    kw = dict(num_workers=1, epochs=2, checkpoint_every=2, metrics_every=2, eval_fraction=0.0)
+    straight = run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "a", max_steps=6, **kw)),
+                         use_ray=False)
+    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=4, **kw)),
+              use_ray=False)
+    torn = tmp_path / "b" / "checkpoints" / "step-000006"
+    torn.mkdir()
+    (torn / "rank-0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"partial")
+    assert checkpoint.latest(str(tmp_path / "b"), None) == "step-000004"
+    resumed = run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=6, **kw)),
+                        use_ray=False)
+    assert resumed["metrics"]["steps"] == straight["metrics"]["steps"] == 6 and checkpoint.latest(str(tmp_path / "b"), None) == "step-000006"
+    a = load_file(str(tmp_path / "a/checkpoints/step-000006/model.safetensors"))
+    b = load_file(str(tmp_path / "b/checkpoints/step-000006/model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
