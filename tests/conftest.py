@@ -235,6 +235,7 @@ def ray_cluster(tmp_path_factory):
     proc = subprocess.Popen(
         [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+         f"--dashboard-agent-listen-port={free_port()}",  # not the default 52365 another Ray may hold
          "--num-cpus=2", f"--temp-dir={tmp}", "--disable-usage-stats"],
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )

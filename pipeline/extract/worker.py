@@ -17,7 +17,7 @@ from functools import lru_cache
 from pipeline.data.chat import ChatEncoder
 from pipeline.data.conversations import BadRow, parse_row
 from pipeline.extract import layout
-from pipeline.store.fs import atomic_write_bytes, join, resolve
+from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
 from pipeline.store.writer import CapturedBatch, SampleMeta, ShardWriter
 from schemas.config import ExtractConfig
 from schemas.manifest import ShardRecord
@@ -95,6 +95,13 @@ class UnitWriter:
         self._local_tmp = join(self.root, "_tmp") if not cfg.output.uri.startswith("s3://") else None
 
     def process(self, tu: TokenizedUnit) -> ShardRecord:
+        """Capture and commit one unit -- once: a unit already committed (Ray re-running a task
+        whose output was lost with a node, say) returns its record untouched."""
+        path = join(self.root, layout.unit_record_path(tu.unit))
+        if exists(self.fs, path):
+            done = ShardRecord.model_validate_json(read_bytes(self.fs, path))
+            if done.source_rows == (tu.start, tu.end):
+                return done
         rec = ShardRecord(
             unit=tu.unit, source_rows=(tu.start, tu.end), path=None, rows=len(tu.samples),
             tokens=sum(len(s.input_ids) for s in tu.samples),
@@ -110,7 +117,7 @@ class UnitWriter:
             atomic_write_bytes(self.fs, join(self.root, qp), body.encode())
             rec.quarantine_path = qp
         # The unit record is the commit point: written last, atomically.
-        atomic_write_bytes(self.fs, join(self.root, layout.unit_record_path(tu.unit)), rec.model_dump_json().encode())
+        atomic_write_bytes(self.fs, path, rec.model_dump_json().encode())
         return rec
 
     def _write_shard(self, tu: TokenizedUnit) -> tuple[int, str]:

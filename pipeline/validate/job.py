@@ -267,7 +267,7 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, engine: TargetEngine, 
         if m.verify is not None and ver.best != pre.best:
             reasons.append(f"slot {slot} is fed {pre.describe(lab)} on prefill but {ver.describe(lab)} on verify "
                            "steps: the engine feeds the draft different layers while decoding")
-    section = {"measured_with": served.acceptance.get("measured_by"), "reasons": reasons,
+    section = {"measured_with": f"{engine.name} {engine.version}: what its draft's fc received", "reasons": reasons,
                "recorded_rows": {"prefill": m.prefill[0].rows, "verify": m.verify[0].rows if m.verify else 0},
                "prefill": [x.describe(lab) for x in m.prefill],
                "verify": [x.describe(lab) for x in m.verify] if m.verify else "no verify rows (no draft accepted)",
