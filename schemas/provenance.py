@@ -29,7 +29,7 @@ class TensorProvenance(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     capture_point: CapturePoint
-    boundary: str                  # "r_3" or "final_post": the same fact in DESIGN notation
+    boundary: str                  # "r_3" or "final_post": the same fact in boundary notation (pipeline.conventions)
     dtype: DType
     hidden_size: int
     encoding: str                  # see schemas.dataset.ENCODING_DOC

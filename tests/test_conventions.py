@@ -1,4 +1,4 @@
-"""Every row of DESIGN.md §3, table-driven, for N = 6, 32 and 61."""
+"""Every row of the conventions table (``pipeline/conventions``), table-driven, for N = 6, 32 and 61."""
 
 import pytest
 

@@ -2,8 +2,9 @@
 be imported on these machines) -- exported configs SGLang reads as intended per model
 family, engine arguments, reading of its responses -- plus a GPU-cluster test.
 
-SGLang's capture rules are written out here by hand from its model files (DESIGN §3), not
-computed with ``pipeline.conventions``, so a wrong rule there fails here."""
+SGLang's capture rules are written out here by hand from its model files (0.5.23's
+``set_eagle3_layers_to_capture``), not computed with ``pipeline.conventions``, so a wrong rule
+there fails here."""
 
 import importlib.util
 import json

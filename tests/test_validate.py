@@ -1,5 +1,5 @@
 """The promotion gate: the correct serving config passes; every known way of feeding a
-draft the wrong tensors is blocked with the right diagnosis (DESIGN.md §1, §6)."""
+draft the wrong tensors is blocked with the right diagnosis."""
 
 import json
 import shutil
@@ -27,7 +27,7 @@ def validate(run_dir, tiny_target, tmp_path, engine="vllm", config_edit=None, ta
     p.write_text(json.dumps(draft_cfg))
     # The tiny random target's free-running greedy text drifts from its training text, so its
     # measured acceptance sits far below teacher-forced accuracy: the comparison is off here
-    # (values are the primary guard, DESIGN §6) and tested on its own below.
+    # (values are the primary guard) and tested on its own below.
     kw.setdefault("tolerances", {})
     kw["tolerances"] = {"acceptance_vs_predicted": 0.0, **kw["tolerances"]}
     kw.setdefault("acceptance_prompts", 2)

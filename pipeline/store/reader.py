@@ -108,7 +108,7 @@ class DatasetReader:
                     f"shard {shard.path} of {self.uri} is corrupt: {len(blob)} bytes sha256 {digest[:12]}, "
                     f"manifest says {shard.bytes} bytes sha256 {str(shard.sha256)[:12]}"
                 )
-        columns = ["sample_id", "input_ids", "loss_mask", "num_tokens"]
+        columns = ["sample_id", "source_row", "input_ids", "loss_mask", "num_tokens"]
         for p in self.points:
             columns += [f"{p}#b{k}" for k in range(DTYPE_BYTES[self._prov[p].dtype])]
         pf = pq.ParquetFile(pa.BufferReader(blob))
@@ -138,8 +138,7 @@ class DatasetReader:
         seen: dict[str, str] = {}
         for shard in self.shards:
             table = self.read_shard(shard)
-            ids = table.column("sample_id").to_pylist()
-            rows = self._source_rows(shard)
+            ids, rows = table.column("sample_id").to_pylist(), table.column("source_row").to_pylist()
             lo, hi = shard.source_rows
             if len(ids) != shard.rows or any(not lo <= r < hi for r in rows):
                 raise ShardCorrupt(f"shard {shard.path} of {self.uri} holds {len(ids)} rows from source rows "
@@ -150,10 +149,6 @@ class DatasetReader:
                     raise ShardCorrupt(f"sample {sid} is in shard {shard.path} and in {seen[sid]} of {self.uri}: "
                                        "the dataset lists a sample twice; re-extract it")
                 seen[sid] = shard.path  # type: ignore[assignment]
-
-    def _source_rows(self, shard: ShardRecord) -> list[int]:
-        with self.fs.open_input_file(join(self.root, shard.path)) as f:  # type: ignore[arg-type]
-            return pq.ParquetFile(f).read(columns=["source_row"]).column("source_row").to_pylist()
 
     def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:
         """One row group, without re-hashing the shard (call verify_all first)."""

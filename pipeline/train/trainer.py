@@ -72,11 +72,16 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
     return ordered, final, needs_norm
 
 
+def export_family(cfg: TrainConfig, engine: str, target_cfg: dict, sglang_family: str | None = None) -> str:
+    """The capture-rule family an export for ``engine`` is written for (SGLang's can be forced)."""
+    family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
+    return conventions.engine_family(engine, target_cfg) if family == "auto" else family
+
+
 def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg: dict) -> None:
     """Before any training: every engine the run exports for can load and feed this draft."""
     for engine in cfg.export.engines:
-        family = cfg.export.sglang_family if engine == "sglang" and cfg.export.sglang_family != "auto" else \
-            conventions.engine_family(engine, target_cfg)
+        family = export_family(cfg, engine, target_cfg)
         release = cfg.export.engine_versions.get(engine, conventions.NEWEST)
         try:
             ids = serving_ids(aux, n, engine, family, release)
@@ -264,9 +269,7 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     out = []
     with tempfile.TemporaryDirectory(prefix="strata-export-") as tmp:  # staged, then published
         for engine in engines or cfg.export.engines:
-            family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
-            if family == "auto":
-                family = conventions.engine_family(engine, target_cfg)
+            family = export_family(cfg, engine, target_cfg, sglang_family)
             dest = os.path.join(tmp, engine)
             m = export_draft(
                 model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,

@@ -205,24 +205,27 @@ def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: 
     it; otherwise the rule's prediction fills the slot table. Returns (served, slots, the
     report's feed section, reasons)."""
     cfg, s, n, trained, fp, reading = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.readings[0]
+
+    def by_rule(served: ServeResult | None, why: str | None, reasons: list[str]):
+        slots = check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances, predicted=reading.points)
+        return served, slots, ({"not_measured": why} if why else {}), reasons
+
     servable = (s.replay == "engine" and not wrong_release and not reading.error
                 and len(reading.points) == len(trained))
-    if not servable or cfg.acceptance_prompts == 0:
-        why = ("acceptance_prompts = 0: the draft was not served" if servable else
-               "not served: " + ("another engine release is installed" if wrong_release else
-                                 "the engine cannot feed this draft's slots as configured"))
-        feed = {"not_measured": why} if s.replay == "engine" else {}
-        return None, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
-                                 predicted=reading.points), feed, []
+    if s.replay != "engine":
+        return by_rule(None, None, [])
+    if not servable:
+        return by_rule(None, "not served: " + ("another engine release is installed" if wrong_release else
+                                               "the engine cannot feed this draft's slots as configured"), [])
+    if cfg.acceptance_prompts == 0:
+        return by_rule(None, "acceptance_prompts = 0: the draft was not served", [])
     try:
         served = acceptance.serve_as_configured(engine, cfg, case.art, case.draft_cfg_path, acceptance.prompts(cfg, fp))
     except Exception as e:  # the engine refused the draft as configured: that is the finding
         reason = f"{s.engine} failed to serve the draft as configured: {type(e).__name__}: {str(e)[:300]}"
-        return None, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
-                                 predicted=reading.points), {"not_measured": reason}, [reason]
+        return by_rule(None, reason, [reason])
     if served.feed is None:  # an engine whose draft inputs cannot be observed: its rule decides
-        return served, check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances,
-                                   predicted=reading.points), {"not_measured": "the engine's feed is not observable"}, []
+        return by_rule(served, "the engine's feed is not observable", [])
     measured, unmatched, feed = _measured_feed(cfg, fp, engine, served, replayed, trained, n)
     feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n)
     for line in feed["disagreements"]:
@@ -270,7 +273,7 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, engine: TargetEngine, 
     section = {"measured_with": f"{engine.name} {engine.version}: what its draft's fc received", "reasons": reasons,
                "recorded_rows": {"prefill": m.prefill[0].rows, "verify": m.verify[0].rows if m.verify else 0},
                "prefill": [x.describe(lab) for x in m.prefill],
-               "verify": [x.describe(lab) for x in m.verify] if m.verify else "no verify rows (no draft accepted)",
+               "verify": [x.describe(lab) for x in m.verify] if m.verify else "no verify-step rows recorded",
                "vs_training_rel_l2": m.vs_training,
                "slots": [{"prefill": x.best, "verify": (m.verify[i].best if m.verify else None),
                           "prefill_errors": x.errors, "verify_errors": (m.verify[i].errors if m.verify else None)}
