@@ -183,14 +183,21 @@ class LocalS3:
 
         self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
                                    aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
-        for _ in range(100):  # the S3 port opens before the filer behind it is ready
+        # The S3 port opens before the filer and volume server behind it are ready (on a restart
+        # too): ready means a bucket exists and an object can be written and read back.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             try:
-                self.client.create_bucket(Bucket="strata-test")
-                return
-            except self.client.exceptions.BucketAlreadyOwnedByYou:
-                return
+                try:
+                    self.client.create_bucket(Bucket="strata-test")
+                except self.client.exceptions.BucketAlreadyOwnedByYou:
+                    pass
+                self.client.put_object(Bucket="strata-test", Key=".ready", Body=b"ok")
+                if self.client.get_object(Bucket="strata-test", Key=".ready")["Body"].read() == b"ok":
+                    return
             except Exception:  # noqa: BLE001
                 time.sleep(0.2)
+        require("SeaweedFS S3 server (ready for reads and writes)", False, (self.data / "weed.log").read_text()[-2000:])
 
     def stop(self) -> None:
         if self.proc is not None:
