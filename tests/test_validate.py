@@ -221,10 +221,14 @@ def test_acceptance_far_below_training_prediction_blocks(run_dir, tiny_target, t
     m = json.loads((art / "strata_artifact.json").read_text())
     m["metrics"]["eval"]["acc_per_pos"] = [0.99, 0.99, 0.99]
     (art / "strata_artifact.json").write_text(json.dumps(m))
+    # A stricter ratio than the default 0.33: on two prompts the tiny draft's measured acceptance
+    # varies from run to run (one CI run reached the default bound of 0.97 accepted per step); at
+    # 0.9 only a near-perfect draft (2.65 of 3 per step) would meet the claim.
     r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": 2,
+        "artifact": str(art), "acceptance_prompts": 2, "tolerances": {"acceptance_vs_predicted": 0.9},
         "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
     assert r.acceptance["predicted_accepted_per_step"] == pytest.approx(0.99 + 0.99**2 + 0.99**3)
+    print("measured accepted per step:", r.acceptance.get("accepted_per_step"))
     blocked(r, "far below the 2.94 training accuracy predicts")
     assert all(s.ok for s in r.slots)
 
