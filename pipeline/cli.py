@@ -24,10 +24,22 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def cmd_make_tiny_target(args: argparse.Namespace) -> int:
+    import json
+
+    from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target
     from pipeline.tiny import make_tiny_target, write_conversations
 
-    out = make_tiny_target(args.dir, num_layers=args.layers, hidden_size=args.hidden, seed=args.seed)
-    print(f"tiny target written to {out}")
+    if args.random:
+        out = make_tiny_target(args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed)
+        print(f"random-init tiny target written to {out}")
+    else:
+        given = {"num_layers": args.layers, "hidden_size": args.hidden, "steps": args.steps}
+        recipe = PretrainRecipe(seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+        out = trained_tiny_target(args.dir, recipe)
+        rec = json.loads((out / RECORD).read_text())
+        print(f"trained tiny target written to {out}: held-out perplexity {rec['heldout_perplexity']:.1f} "
+              f"(unigram {rec['unigram_perplexity']:.1f}), next-token accuracy "
+              f"{rec['heldout_next_token_accuracy']:.2f}; training record in {out / RECORD}")
     if args.conversations:
         n = write_conversations(args.conversations, n=args.num_conversations)
         print(f"{n} conversations written to {args.conversations}")
@@ -90,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from pipeline.draft.export import ExportError
-    from pipeline.train.trainer import export_run
+    from pipeline.train.export import export_run
 
     try:
         out = export_run(args.run, engines=args.engine or None, dest_uri=args.out, sglang_family=args.sglang_family,
@@ -117,6 +129,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         cfg.report_dir = args.report_dir
     if args.registry:
         cfg.registry = args.registry
+    if args.no_cost:
+        cfg.cost = False
     try:
         r = run_validate(cfg)
     except ValidationInputError as e:
@@ -278,10 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("make-tiny-target", help="build a deterministic random-init Llama + tokenizer locally")
+    s = sub.add_parser("make-tiny-target", help="build a tiny Llama + tokenizer locally, pretrained for a few minutes "
+                       "on the Python stdlib (deterministic, cached by content); --random skips the training")
     s.add_argument("dir")
-    s.add_argument("--layers", type=int, default=6)
-    s.add_argument("--hidden", type=int, default=256)
+    s.add_argument("--random", action="store_true", help="random-init weights (fast unit tests), no pretraining")
+    s.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the demo recipe's)")
+    s.add_argument("--layers", type=int, default=None, help="default: 12 trained, 6 random")
+    s.add_argument("--hidden", type=int, default=None, help="default: 128 trained, 256 random")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--conversations", help="also write a conversations JSONL here")
     s.add_argument("--num-conversations", type=int, default=None)
@@ -316,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the machine-readable verdict")
     s.add_argument("--report-dir", help="write report.md, report.json and heatmap.png here")
     s.add_argument("--registry", help="record the verdict in this registry")
+    s.add_argument("--no-cost", action="store_true",
+                   help="when blocked, skip timing what the configuration would cost (no speculation / as written / fixed)")
     s.set_defaults(func=cmd_validate)
 
     s = sub.add_parser("promote", help="move a channel to an artifact (needs a passing validation record)")

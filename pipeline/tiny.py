@@ -105,6 +105,7 @@ def make_tiny_target(
     num_kv_heads: int | None = None,
     vocab_size: int = 2048,
     seed: int = 0,
+    peaked_head: bool = True,
 ) -> Path:
     """Build a deterministic random-init Llama target in ``out_dir`` (safetensors).
 
@@ -137,8 +138,10 @@ def make_tiny_target(
     model = LlamaForCausalLM(cfg)  # HF's own init (normal, std initializer_range), seeded
     # With std-0.02 weights every next-token distribution is nearly uniform; a trained LM's
     # is peaked. Logits of std ~4 give the target confident, learnable predictions.
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 4.0 / hidden_size**0.5)
+    # ``peaked_head=False`` keeps HF's init for pretraining (``pipeline.pretrain``).
+    if peaked_head:
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, 4.0 / hidden_size**0.5)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     log.info("tiny target: %d layers, hidden %d, vocab %d -> %s", num_layers, hidden_size, len(tok), out)

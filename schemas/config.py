@@ -189,6 +189,15 @@ class ExportConfig(_Strict):
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
 
 
+class HeldoutAcceptanceConfig(_Strict):
+    """Acceptance of the finished draft on held-out prompts (prefixes of the dataset's probe
+    samples, never trained on), by Strata's reference speculative decoding on the target."""
+
+    prompts: int = Field(6, ge=0, description="0 skips the measurement (it loads the target once)")
+    speculative_tokens: int = Field(3, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+
+
 class TrainConfig(_Strict):
     dataset: str = Field(description="extracted dataset URI (local or s3://)")
     target: TargetConfig
@@ -197,6 +206,10 @@ class TrainConfig(_Strict):
     draft_vocab_size: int = Field(32000, gt=0)
     ttt_steps: int = Field(7, ge=1)
     loss_decay: float = Field(0.8, gt=0, le=1)
+    soft_target: Literal["draft_vocab", "full_vocab"] = Field(
+        "draft_vocab", description="draft_vocab: the target renormalised over the draft vocabulary (SpecForge, "
+        "EAGLE); full_vocab: its full-vocabulary probabilities of the draft tokens (positions weighted by the "
+        "target mass inside the draft vocab)")
     batch_tokens: int = Field(4096, gt=0, description="padded tokens per worker per step")
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
@@ -215,6 +228,7 @@ class TrainConfig(_Strict):
     use_gpu: bool = False
     ray_address: str | None = None
     export: ExportConfig = ExportConfig()
+    heldout_acceptance: HeldoutAcceptanceConfig = HeldoutAcceptanceConfig()
     s3: S3Config = S3Config()
 
     @field_validator("aux", mode="before")

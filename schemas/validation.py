@@ -53,6 +53,9 @@ class ValidateConfig(BaseModel):
     acceptance_prompts: int = Field(6, ge=0)
     speculative_tokens: int = Field(3, ge=1)
     max_new_tokens: int = Field(16, ge=1)
+    cost: bool = Field(True, description="when the gate blocks and the engine runs here, time the target alone, "
+                       "the draft as configured and the draft with the correct ids on the same prompts (report only)")
+    cost_max_new_tokens: int = Field(64, ge=8, description="tokens generated per prompt for the cost table's timing")
     report_dir: str | None = Field(None, description="where report.md, report.json, heatmap.png go")
     registry: str | None = Field(None, description="record the verdict in this registry (local dir or s3://)")
 
@@ -90,4 +93,5 @@ class ValidationReport(BaseModel):
     acceptance: dict
     tolerances: dict
     calibration: dict                  # measured errors at the matched boundaries
+    cost: dict | None = None           # blocked only: what the configuration would have cost (validate/cost.py)
     report_dir: str | None = None

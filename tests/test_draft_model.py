@@ -136,3 +136,68 @@ def test_shift_and_acceptance_length():
     x = torch.tensor([[1, 2, 3, 4]])
     assert shift(x, 1, 0).tolist() == [[2, 3, 4, 0]] and shift(x, 5, -1).tolist() == [[-1] * 4]
     assert simulated_acceptance_length([0.8, 0.5, 0.5]) == pytest.approx(0.8 + 0.4 + 0.2)
+
+
+def specforge_ttt_loss(step_logits, target_logits, t2d, loss_mask, decay=0.8):
+    """SpecForge 0.2.0's loss, re-implemented from its source (specforge/algorithms/eagle3/
+    model.py ``_compute_target_p`` / ``_compute_target_p_padded`` / the TTT loop, and
+    specforge/core/loss.py ``_compute_loss``) with its own names and steps.
+
+    ``target_logits`` is SpecForge's ``target`` after ``preprocess`` (position t holds the
+    target's logits one position on); ``loss_mask`` is its loss mask in the same frame.
+    """
+    T = target_logits.shape[1]
+    target_head = target_logits.float()
+    target_token_ids = target_head.argmax(-1)
+    position_mask = t2d[target_token_ids][..., None].int() * loss_mask[..., None]
+    target_p = torch.nn.Softmax(dim=2)(target_head[..., t2d])
+    target_p_padded = F.pad(target_p, pad=(0, 0, 0, len(step_logits)), value=1 / target_p.shape[-1])
+    plosses = []
+    for idx, logits in enumerate(step_logits):
+        tp = target_p_padded[:, idx: idx + T, :]
+        out_logp = torch.nn.LogSoftmax(dim=2)(logits.float())
+        plosses.append(-torch.sum(position_mask * tp * out_logp, 2).mean())
+        position_mask = torch.cat((position_mask[:, 1:], torch.zeros_like(position_mask[:, -1:])), dim=1)
+    return sum(decay**i * p for i, p in enumerate(plosses))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_equals_specforge_on_the_same_tensors(tmp_path, seed):
+    """Strata's soft target (TargetHead.targets, renormalised over the draft vocab) and TTT loss
+    equal SpecForge's on the same target logits, masks and draft logits."""
+    from safetensors.torch import save_file
+
+    from pipeline.draft.target_head import TargetHead
+
+    torch.manual_seed(seed)
+    m = Eagle3Draft(CFG)
+    init_weights(m, seed)
+    counts = torch.randint(0, 100, (CFG.vocab_size,))
+    ids, d2t, t2d = build_draft_vocab(counts, CFG.draft_vocab_size)
+    m.d2t.copy_(d2t)
+    m.t2d.copy_(t2d)
+    B, T, H = 2, 12, 16
+    head = torch.randn(CFG.vocab_size, H)
+    save_file({"lm_head.weight": head}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text('{"tie_word_embeddings": false}')
+    final = torch.randn(B, T, H) * 3
+    trained = torch.rand(B, T) > 0.3
+    aux = torch.randn(B, T, CFG.num_aux * CFG.target_hidden_size)
+    tokens = torch.randint(0, CFG.vocab_size, (B, T))
+    steps = 4
+
+    tb = TargetHead(tmp_path).targets(final, trained, ids)
+    ours = m(aux, tokens, tb, steps=steps)
+    with torch.no_grad():
+        step_logits = [m.logits(h) for h in m.unroll(aux, tokens, steps)]
+    # SpecForge's frame: target[t] = logits at t+1 (``preprocess``), and its loss mask marks
+    # the token that target predicts -- Strata's ``trained`` two positions on.
+    target_sf = shift(final @ head.T, 1, fill=0.0)
+    theirs = specforge_ttt_loss(step_logits, target_sf, t2d, shift(trained, 2, fill=False).int())
+    torch.testing.assert_close(ours.loss.detach(), theirs, rtol=1e-5, atol=1e-6)
+    # The previous definition (full-vocab probabilities of the draft tokens) differs.
+    tb_full = TargetHead(tmp_path).targets(final, trained, ids, soft_target="full_vocab")
+    assert not torch.allclose(m(aux, tokens, tb_full, steps=steps).loss.detach(), theirs, rtol=1e-3)
+    assert torch.allclose(tb.p_draft.sum(-1), torch.ones(B, T))
+    with pytest.raises(ValueError, match="soft_target"):
+        TargetHead(tmp_path).targets(final, trained, ids, soft_target="nope")

@@ -163,3 +163,24 @@ def test_every_rule_cites_its_release_and_file():
     for rule in R.RULES:
         assert rule.last in rule.source and ".py" in rule.source, rule
         assert R.release_tuple(rule.first) <= R.release_tuple(rule.last)
+
+
+@pytest.mark.parametrize("engine, release, where", [
+    ("vllm", "0.32.0", "top"), ("vllm", "0.21.0", "top"), ("sglang", "0.5.23", "nested")])
+def test_corrected_config_is_read_back_as_the_trained_points(engine, release, where):
+    """The cost table's 'correct ids' row: the served config with the ids the release needs,
+    everything else kept, read back through the same rule."""
+    from pipeline import conventions
+    from schemas.capture import CapturePoint
+
+    points = [CapturePoint.parse(p) for p in ("layer_output:1", "layer_output:5", "layer_output:8")]
+    served = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 6],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6], "use_aux_hidden_state": True}}
+    fixed = conventions.corrected_draft_config(served, points, engine, 12, "llama", release)
+    ids, key = conventions.ids_in_draft_config(fixed, engine, release, "llama")
+    assert conventions.points_read_from(ids, engine, 12, "llama", release) == points
+    assert fixed["architectures"] == served["architectures"] and served["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]
+    assert key.startswith("eagle_config.") == (where == "nested")
+    with pytest.raises(conventions.ConventionError):  # no engine feeds the post-norm final state
+        conventions.corrected_draft_config(served, [*points[:2], CapturePoint.parse("final:post_norm")], engine, 12,
+                                           "llama", release)

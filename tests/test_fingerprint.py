@@ -67,6 +67,9 @@ def test_probe_samples_are_held_out_from_training():
 
     ids = [f"sample-{i}" for i in range(400)]
     refs = [SampleRef("s", 0, i, 10, sid) for i, sid in enumerate(ids)]
-    _, held = split_eval(refs, 0.05)
-    assert len(held) >= 16
-    assert set(fpm.probe_ids(ids, 16)) <= {r.sample_id for r in held}
+    probes = frozenset(fpm.probe_ids(ids, 16))
+    for fraction in (0.05, 0.0):  # held out whatever the eval fraction
+        train, held = split_eval(refs, fraction, probes)
+        assert probes <= {r.sample_id for r in held} and not probes & {r.sample_id for r in train}
+        assert len(train) + len(held) == len(refs)
+    assert split_eval(refs, 0.0)[1] == []  # without them, fraction 0 holds nothing out

@@ -18,6 +18,7 @@ from pipeline.draft.export import load_draft
 from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
 from pipeline.extract.job import run_extract
 from pipeline.store.reader import ProvenanceMismatch, ShardCorrupt
+from pipeline.train.data import split_eval
 from pipeline.train.trainer import prepare, run_train
 from schemas.artifact import ARTIFACT_FINGERPRINTS
 from schemas.capture import CapturePoint as C
@@ -70,6 +71,9 @@ def trained(ray_connected, tiny_target, dataset, tmp_path_factory):
 def test_zero2_on_two_workers_trains_and_loss_falls(trained):
     out, result = trained
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    held = [x for x in lines if x.get("kind") == "heldout_acceptance"]
+    lines = [x for x in lines if "kind" not in x]
+    assert len(held) == 1 and held[0] == result["metrics"]["heldout_acceptance"]  # measured at the end
     assert len(lines) >= 3 and lines[-1]["step"] == result["metrics"]["steps"]
     assert lines[-1]["loss"] < 0.8 * lines[0]["loss"], [x["loss"] for x in lines]
     for rec in lines:
@@ -147,8 +151,8 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dat
     wb = load_file(str(tmp_path / "b/checkpoints/step-000008/model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5, msg=k)
-    ma = [json.loads(x)["loss"] for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines()]
-    mb = [json.loads(x)["loss"] for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines()]
+    ma = [json.loads(x)["loss"] for x in (tmp_path / "a/metrics.jsonl").read_text().splitlines() if '"kind"' not in x]
+    mb = [json.loads(x)["loss"] for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines() if '"kind"' not in x]
     assert len(ma) == len(mb) == 4
     assert mb == pytest.approx(ma, rel=1e-4)
 
@@ -265,6 +269,44 @@ def test_exported_artifact_carries_the_dataset_fingerprints(tiny_target, dataset
     assert art["fingerprints"]["sha256"] == ds_fp["sha256"] and art["fingerprints"]["probe_samples"] == 16
     fp = fpm.Fingerprints.load(str(run / "export/sglang"), name=ARTIFACT_FINGERPRINTS)
     assert fp.points == [*AUX, "final:post_norm"] and len(fp.sample_ids) == 16
+
+
+def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
+    """Each epoch packs its own shuffle (length-sorted in windows of 256), so epochs can differ
+    in step count; the loop must run every epoch's batches (it once looped forever when a later
+    epoch was shorter)."""
+    from pipeline.fingerprint import Fingerprints
+    from pipeline.store.reader import DatasetReader
+    from pipeline.tiny import write_conversations
+    from pipeline.train.data import index_samples, plan_epoch
+
+    write_conversations(tmp_path / "conv.jsonl", n=400)
+    extract(tiny_target, tmp_path / "conv.jsonl", dataset := tmp_path / "ds")
+    reader = DatasetReader(str(dataset))
+    probes = frozenset(Fingerprints.load(str(dataset), name=reader.manifest.fingerprints["path"]).sample_ids)
+    train, _ = split_eval(index_samples(reader), 0.0, probes)  # what training will train on
+    bt = next(b for b in range(600, 4000, 40)
+              if len(plan_epoch(train, b, 1, 0, 0)) > len(plan_epoch(train, b, 1, 0, 1)))
+    lens = [len(plan_epoch(train, bt, 1, 0, e)) for e in (0, 1)]
+    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, epochs=2,
+                                               batch_tokens=bt, eval_fraction=0.0, checkpoint_every=1000,
+                                               heldout_acceptance={"prompts": 0}))
+    result = run_train(cfg, use_ray=False)
+    assert result["metrics"]["steps"] == sum(lens), (lens, result["metrics"]["steps"])
+    assert result["metrics"]["train"]["epoch"] == 1
+
+
+@pytest.mark.ray
+def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected, tiny_target, dataset, tmp_path):
+    """Workers that take every CPU leave none for the data decode tasks: Ray would wait forever."""
+    import ray
+
+    cpus = ray.cluster_resources()["CPU"]
+    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
+                                               cpus_per_worker=cpus))
+    with pytest.raises(ValueError, match=r"CPU for the data decode tasks .* but the Ray cluster has"):
+        run_train(cfg)
+    assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():

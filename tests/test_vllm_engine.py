@@ -100,7 +100,7 @@ def served(trained_run, tiny_target, tmp_path, config_edit=None, serving=None, *
     p.write_text(json.dumps(cfg))
     return run_validate(ValidateConfig.model_validate({
         "artifact": str(art), "acceptance_prompts": kw.pop("acceptance_prompts", 6), "max_new_tokens": 16,
-        "speculative_tokens": 3, "tolerances": {"acceptance_vs_predicted": 0.0},
+        "speculative_tokens": 3, "tolerances": {"acceptance_vs_predicted": 0.0}, "cost": kw.pop("cost", False),
         "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512,
                     "target": {"path": str(tiny_target)}, "draft_config": str(p), **(serving or {})}, **kw}))
 
@@ -160,6 +160,7 @@ def test_wrong_configs_blocked_by_the_measured_feed(vllm_engine, trained_run, ti
     assert r.feed["disagreements"] == [] and not any("verify steps" in x for x in r.reasons)
     assert max(r.feed["vs_training_rel_l2"]) > 0.1  # a wrong slot's values are far from its training values
     assert r.acceptance["note"].startswith("measured for the report only")
+    assert r.cost is None  # cost: false (`--no-cost`) skips the cost table
 
 
 def test_no_ids_is_blocked_by_the_rule_without_serving(vllm_engine, trained_run, tiny_target, tmp_path):

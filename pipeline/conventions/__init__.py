@@ -208,6 +208,19 @@ def ids_in_draft_config(config: dict, tool: Tool, release: str = NEWEST, family:
     return releases.ids_in_config(releases.rule_for(tool, release, family, runner), config)
 
 
+def corrected_draft_config(config: dict, points: Sequence[CapturePoint], tool: Tool, num_layers: int,
+                           family: str = "llama", release: str = NEWEST,
+                           runner: releases.Runner | None = None) -> dict:
+    """``config`` with the ids that make ``tool`` (at ``release``) feed exactly ``points``,
+    read back through the same rule before it is returned."""
+    rule = releases.rule_for(tool, release, family, runner)  # type: ignore[arg-type]
+    out = releases.config_with_ids(rule, config, aux_ids_for(points, tool, num_layers, family, release, runner))
+    read = releases.boundaries_read(rule, releases.ids_in_config(rule, out)[0], num_layers)
+    if read != [_r(p, num_layers, tool) for p in points]:
+        raise ConventionError(f"{rule.name} would read the corrected config as {[f'r_{k}' for k in read]}")
+    return out
+
+
 def releases_reading(config: dict, points: Sequence[CapturePoint], engine: str, family: str,
                      num_layers: int) -> list[str]:
     """Every known release (range) of ``engine`` that feeds exactly ``points`` for this config."""

@@ -51,6 +51,7 @@ the model's default (2, N//2, N-3)):
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -218,6 +219,17 @@ def ids_in_config(rule: ReadingRule, config: dict) -> tuple[list[int] | None, st
             return [int(i) for i in value], AUX_KEY if key == "top" else f"eagle_config.{AUX_KEY}"
     where = " or ".join(AUX_KEY if k == "top" else f"eagle_config.{AUX_KEY}" for k in rule.keys)
     return None, f"default (no {where})"
+
+
+def config_with_ids(rule: ReadingRule, config: dict, ids: Sequence[int]) -> dict:
+    """A copy of a draft's config.json with ``ids`` at every key ``rule``'s engine reads."""
+    out = json.loads(json.dumps(config))
+    for key in rule.keys if ids else ():
+        if key == "top":
+            out[AUX_KEY] = list(ids)
+        else:
+            out["eagle_config"] = {**(out.get("eagle_config") or {}), AUX_KEY: list(ids)}
+    return out
 
 
 def default_boundaries(rule: ReadingRule, n: int) -> list[int]:

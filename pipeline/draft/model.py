@@ -11,7 +11,9 @@ V target vocab, Vd draft vocab, h heads, d head dim.
                                              their own keys k_1[t]..k_i[t]
         h_{i+1} = h_attn + mlp(post_attention_layernorm(h_attn))   (pre-norm: fed back)
         logits_i = lm_head(norm(h_{i+1}))    [.., Vd]  predicts token t+i+2
-    loss = sum_i 0.8^i * softCE(logits_i, target_p[t+i+1] restricted to the draft vocab)
+    loss = sum_i 0.8^i * mean over all B*T positions of
+           mask * softCE(logits_i, softmax of the target's draft-vocab logits at t+i+1)
+    (SpecForge's definition: renormalised over the draft vocab, averaged over every position)
 
 Weight names match SpecForge / SGLang / vLLM EAGLE-3 checkpoints (fc, midlayer.*, norm,
 lm_head, d2t, t2d). The token embedding is the target's, frozen and never saved.
@@ -206,7 +208,7 @@ class Eagle3Draft(nn.Module):
             mask = trained & shift(target.in_draft_vocab, i + 1, fill=False)
             p = shift(target.p_draft, i + 1, fill=0.0)
             ce = -(p * logits.log_softmax(-1)).sum(-1)
-            loss_i = (ce * mask).sum() / mask.sum().clamp(min=1)
+            loss_i = (ce * mask).sum() / mask.numel()  # SpecForge: a mean over every position
             total = total + (decay**i) * loss_i
             draft_argmax = logits.argmax(-1)
             hit = (draft_argmax + self.d2t[draft_argmax] == shift(target.greedy, i + 1, fill=-1)) & trained
@@ -230,7 +232,7 @@ def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 class TargetBatch:
     """What the target says about each position of a batch (from its stored final state)."""
 
-    p_draft: torch.Tensor         # [B,T,Vd] target softmax probabilities of the draft-vocab tokens
+    p_draft: torch.Tensor         # [B,T,Vd] target distribution over the draft vocab (TargetHead.targets)
     greedy: torch.Tensor          # [B,T] target argmax over the FULL vocab (next-token prediction)
     in_draft_vocab: torch.Tensor  # [B,T] greedy token is in the draft vocab (else masked from loss)
     trained: torch.Tensor         # [B,T] loss mask of the token at this position (assistant, not padding)

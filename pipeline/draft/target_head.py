@@ -67,8 +67,17 @@ class TargetHead:
     @torch.no_grad()
     def targets(
         self, final: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 1024,
+        soft_target: str = "draft_vocab",
     ) -> TargetBatch:
-        """final [B,T,H] (post-norm, or pre-norm when built with needs_norm) -> TargetBatch."""
+        """final [B,T,H] (post-norm, or pre-norm when built with needs_norm) -> TargetBatch.
+
+        ``soft_target="draft_vocab"`` (SpecForge's and EAGLE's definition) renormalises the
+        target over the draft vocabulary -- softmax of the draft-vocab logits -- so every
+        position weighs the same and loss values compare across tools; ``"full_vocab"`` keeps
+        the full-vocabulary probabilities of the draft-vocab tokens (summing to < 1).
+        """
+        if soft_target not in ("draft_vocab", "full_vocab"):
+            raise ValueError(f"soft_target must be 'draft_vocab' or 'full_vocab' (got {soft_target!r})")
         B, T, _ = final.shape
         x = self.final_norm(final) if self.norm_weight is not None else final.float()
         t2d = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=final.device)
@@ -79,5 +88,6 @@ class TargetHead:
         for s in range(0, B * T, chunk):  # never holds [B*T, V] at once
             logits = flat[s : s + chunk] @ self.weight.T
             greedy.view(-1)[s : s + chunk] = logits.argmax(-1)
-            p_draft.view(B * T, -1)[s : s + chunk] = logits.softmax(-1)[:, draft_ids]
+            p_draft.view(B * T, -1)[s : s + chunk] = (
+                logits[:, draft_ids].softmax(-1) if soft_target == "draft_vocab" else logits.softmax(-1)[:, draft_ids])
         return TargetBatch(p_draft=p_draft, greedy=greedy, in_draft_vocab=t2d[greedy], trained=loss_mask.bool())

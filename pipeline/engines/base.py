@@ -46,6 +46,43 @@ class ServeResult:
     feed: list[list[FeedCall]] | None
 
 
+@dataclass
+class DecodeTiming:
+    """Single-stream decoding of some prompts, timed: what a user of the deployment waits for.
+
+    Each prompt runs alone twice -- once for one token (prefill) and once for the whole
+    continuation of a fixed length -- so decode time = whole - prefill, and decode tokens/s
+    excludes prefill.
+    ``acceptance`` is None without a draft.
+    """
+
+    outputs: list[list[int]]
+    new_tokens: int
+    prefill_s: float
+    total_s: float
+    acceptance: dict | None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_tokens = self.new_tokens - len(self.outputs)  # the first token of each comes with prefill
+        return decode_tokens / max(self.total_s - self.prefill_s, 1e-9)
+
+
+def time_decode(generate, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], int, float, float]:
+    """(outputs, new tokens, prefill seconds, total seconds) of ``generate([prompt], n)`` per prompt.
+    Warm the engine up first: the first request pays one-off costs."""
+    import time
+
+    outs, prefill, total = [], 0.0, 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        generate([p], 1)
+        t1 = time.perf_counter()
+        outs.append(generate([p], max_new_tokens)[0])
+        prefill, total = prefill + (t1 - t0), total + (time.perf_counter() - t1)
+    return outs, sum(map(len, outs)), prefill, total
+
+
 class TargetEngine(ABC):
     name: str
     version: str
@@ -74,6 +111,17 @@ class TargetEngine(ABC):
         ``feed_points``: only for engines without reading rules of their own (HF), which
         feed the draft these points.
         """
+
+    def timed_decode(self, draft_dir: str | Path | None, prompts: list[list[int]], max_new_tokens: int,
+                     k: int) -> DecodeTiming:
+        """Greedy decoding timed per prompt, without speculation (``draft_dir`` None) or with the
+        draft as configured in ``draft_dir``. Engines that cannot be timed here say so."""
+        from pipeline.engines.errors import EngineUnavailable
+
+        raise EngineUnavailable(f"{self.name} does not time decoding here")
+
+    def release_draft(self, draft_dir: str | Path) -> None:  # noqa: B027 - optional: engines without a pool
+        """Stop serving ``draft_dir`` (a blocked configuration must not stay loaded)."""
 
     @abstractmethod
     def engine_ref(self, point: CapturePoint) -> EngineRef:

@@ -27,7 +27,14 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
-from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
+from pipeline.engines.base import (
+    DecodeTiming,
+    ServeResult,
+    TargetEngine,
+    acceptance,
+    plan_by_tokens,
+    time_decode,
+)
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
@@ -87,6 +94,15 @@ def _shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
     except Exception as e:  # already gone: nothing to release
         log.debug("vLLM shutdown: %s", e)
+
+
+def _greedy(llm, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                        SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos),
+                        use_tqdm=False)
+    return [_tokens(o) for o in outs]
 
 
 def _tokens(o) -> list[int]:
@@ -189,6 +205,28 @@ class VLLMEngine(TargetEngine):
                          accepted=st.num_accepted_tokens, draft_tokens=st.num_draft_tokens)
         return ServeResult(tokens, acc, calls)
 
+    def timed_decode(self, draft_dir, prompts, max_new_tokens, k) -> DecodeTiming:
+        """Timed through a vLLM engine without the capture connector (it would slow the baseline):
+        a plain one for ``draft_dir`` None, else EAGLE-3 with the draft's config as written. Every
+        prompt decodes exactly ``max_new_tokens`` (EOS ignored, as serving benchmarks do); only
+        ``LLM.generate`` is timed, and the spec-decode counters are read around the timed block."""
+        kw = {"dtype": self.dtype, "tp_size": self.tp_size, "max_model_len": self.max_model_len}
+        eng = shared("plain", self.model_dir, **kw) if draft_dir is None else \
+            shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
+        eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
+        before = read_spec_metrics(eng.llm)
+        outs, n, prefill, total = time_decode(lambda ps, m: eng.generate_tokens(ps, m, ignore_eos=True), prompts,
+                                              max_new_tokens)
+        if draft_dir is None:
+            return DecodeTiming(outs, n, prefill, total, None)
+        st = spec_stats(before, read_spec_metrics(eng.llm), k)
+        acc = acceptance(f"vllm {self.version} spec-decode counters", k, st.num_drafts, st.accepted_per_pos,
+                         accepted=st.num_accepted_tokens, draft_tokens=st.num_draft_tokens)
+        return DecodeTiming(outs, n, prefill, total, acc)
+
+    def release_draft(self, draft_dir) -> None:
+        release("eagle3", str(draft_dir))
+
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
             _shutdown(self.llm)
@@ -225,6 +263,26 @@ def spec_stats(before: dict, after: dict, k: int) -> SpecDecodeStats:
                            accepted_per_pos=[int(a) - int(b) for a, b in zip(per_a, per_b, strict=True)])
 
 
+class VLLMPlain:
+    """The target alone, as a deployment without speculation runs it (no capture connector)."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", tp_size: int = 1, max_model_len: int = 4096,
+                 kv_cache_gib: float = 1.0):
+        self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], None]:
+        return self.generate_tokens(prompts, max_new_tokens), None
+
+    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+                        ) -> list[list[int]]:
+        return _greedy(self.llm, prompts, max_new_tokens, ignore_eos)
+
+    def close(self) -> None:
+        if getattr(self, "llm", None) is not None:
+            _shutdown(self.llm)
+            self.llm = None
+
+
 class VLLMEagle3:
     """The target served with an EAGLE-3 draft, exactly as a deployment would run it.
 
@@ -245,12 +303,13 @@ class VLLMEagle3:
                               worker_extension_cls=EXTENSION)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:
-        from vllm import SamplingParams
-
         before = read_spec_metrics(self.llm)
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                 SamplingParams(max_tokens=max_new_tokens, temperature=0.0), use_tqdm=False)
-        return [_tokens(o) for o in outs], spec_stats(before, read_spec_metrics(self.llm), self.k)
+        outs = self.generate_tokens(prompts, max_new_tokens)
+        return outs, spec_stats(before, read_spec_metrics(self.llm), self.k)
+
+    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
+                        ) -> list[list[int]]:
+        return _greedy(self.llm, prompts, max_new_tokens, ignore_eos)
 
     def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
                            ) -> tuple[list[list[int]], SpecDecodeStats, list[list]]:
@@ -279,14 +338,14 @@ class VLLMEagle3:
 
 
 # -- one engine per configuration, per process -------------------------------------------
-_POOL: dict[tuple, VLLMEngine | VLLMEagle3] = {}
-_POOL_SIZE = 2
+_POOL: dict[tuple, VLLMEngine | VLLMEagle3 | VLLMPlain] = {}
+_POOL_SIZE = 3
 
 
-def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3:
+def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
     """A running engine for this exact configuration, started on first use.
 
-    At most two stay alive (least recently used is shut down first); :func:`close_all`
+    At most three stay alive (least recently used is shut down first); :func:`close_all`
     runs at exit.
     """
     key = (kind, repr(args), repr(sorted(kwargs.items())))
@@ -295,9 +354,20 @@ def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3:
         return _POOL[key]
     while len(_POOL) >= _POOL_SIZE:
         _POOL.pop(next(iter(_POOL))).close()
-    cls = {"capture": VLLMEngine, "eagle3": VLLMEagle3}[kind]
+    cls = {"capture": VLLMEngine, "eagle3": VLLMEagle3, "plain": VLLMPlain}[kind]
     _POOL[key] = cls(*args, **kwargs)
     return _POOL[key]
+
+
+def release(kind: str, arg: str) -> None:
+    """Shut down every pooled ``kind`` engine started with ``arg`` (e.g. a draft directory)."""
+    for key in [k for k in _POOL if k[0] == kind and repr(arg) in k[1]]:
+        _POOL.pop(key).close()
+
+
+def running(kind: str) -> list[tuple]:
+    """The configurations of the pooled ``kind`` engines still running."""
+    return [k for k in _POOL if k[0] == kind]
 
 
 def close_all() -> None:

@@ -51,8 +51,8 @@ def tensor_digest(x: torch.Tensor) -> str:
 def probe_ids(sample_ids: list[str], n: int) -> list[str]:
     """The n samples with the smallest hash of their id: stable under resharding and resume.
 
-    Training holds out the samples with the smallest id hashes too (``train.data.split_eval``),
-    so whenever eval_fraction x samples >= n the probes are prompts the draft never saw.
+    Training always holds these samples out (``train.data.split_eval``): acceptance is
+    measured on prefixes of them, prompts the draft never saw.
     """
     return sorted(sample_ids, key=lambda s: hashlib.sha256(s.encode()).hexdigest())[:n]
 
@@ -76,6 +76,15 @@ class Fingerprints:
     def tokens(self, i: int) -> list[int]:
         off = sum(self.lengths[:i])
         return self.input_ids[off : off + self.lengths[i]].tolist()
+
+    def prompts(self, n: int) -> list[list[int]]:
+        """Acceptance prompts: prefixes of the first ``n`` probe samples, which training holds
+        out (``train.data.split_eval``), so the draft never saw them."""
+        out = []
+        for i in range(min(n, len(self.sample_ids))):
+            toks = self.tokens(i)
+            out.append(toks[: max(4, min(48, len(toks) // 2))])
+        return out
 
     def metadata(self) -> dict[str, str]:
         import json

@@ -46,10 +46,14 @@ def index_samples(reader: DatasetReader) -> list[SampleRef]:
     return refs
 
 
-def split_eval(refs: list[SampleRef], fraction: float) -> tuple[list[SampleRef], list[SampleRef]]:
-    """Deterministic by sample id, so the held-out set never changes between runs."""
+def split_eval(refs: list[SampleRef], fraction: float, always: frozenset[str] = frozenset()
+               ) -> tuple[list[SampleRef], list[SampleRef]]:
+    """Deterministic by sample id, so the held-out set never changes between runs. The
+    ``always`` ids (the dataset's probe samples, whose prefixes are the acceptance prompts)
+    are held out whatever the fraction."""
     def held_out(r: SampleRef) -> bool:
-        return int(hashlib.sha256(r.sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+        return (r.sample_id in always
+                or int(hashlib.sha256(r.sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction)
     train = [r for r in refs if not held_out(r)]
     return train, [r for r in refs if held_out(r)]
 

@@ -6,6 +6,7 @@ worker (``pipeline.train.trainer``) or in a plain process with torch.distributed
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import math
@@ -150,8 +151,10 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     model = build_model(plan, cfg, device)
     refs = [SampleRef(**r) for r in plan.train_refs]
     plans = [plan_epoch(refs, cfg.batch_tokens, world, cfg.seed, e) for e in range(cfg.epochs)]
-    steps_per_epoch = len(plans[0])
-    total = min(cfg.max_steps or 10**12, steps_per_epoch * cfg.epochs)
+    # Epochs pack differently, so they can differ in step count: a step's epoch comes from the
+    # cumulative counts, never from step // len(first epoch).
+    epoch_start = [sum(len(p) for p in plans[:e]) for e in range(cfg.epochs + 1)]
+    total = min(cfg.max_steps or 10**12, epoch_start[-1])
     if total == 0:
         raise ValueError(f"the training split has too few batches for {world} workers: add data or lower batch_tokens")
 
@@ -194,8 +197,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     last: dict = {}
     while step < total:
-        epoch = step // steps_per_epoch
-        stream = BatchStream(cfg.dataset, cfg.s3, refs, plans[epoch], rank, step % steps_per_epoch, aux, final,
+        epoch = bisect.bisect_right(epoch_start, step) - 1
+        stream = BatchStream(cfg.dataset, cfg.s3, refs, plans[epoch], rank, step - epoch_start[epoch], aux, final,
                              use_ray=plan.use_ray_data)
         wait_before = 0.0
         for _, batch in stream:
@@ -231,8 +234,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
                 checkpoint.save(engine, cfg.output, cfg.s3, step, epoch, rank, world, barrier)
                 if rank == 0:
                     atomic_write_bytes(fs, join(root, "metrics.jsonl"), ("\n".join(metrics_lines) + "\n").encode())
-            if step >= total or step % steps_per_epoch == 0:
-                break
+            if step >= total:  # max_steps; otherwise the epoch's stream runs out on its own, so Ray
+                break          # Data's executor finishes before the next epoch's starts
     bar.close()
     ev = evaluate(engine, head, draft_ids, plan, cfg, rank, world, device, compute_dtype)
     final_metrics = {"train": last, "eval": ev, "steps": step}
@@ -243,7 +246,7 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
 
 def forward(engine, head: TargetHead, draft_ids, batch: Batch, cfg: TrainConfig, device, dtype):
     b = Batch(*(t.to(device) for t in (batch.aux, batch.final, batch.input_ids, batch.loss_mask)))
-    target = head.targets(b.final, b.loss_mask, draft_ids)
+    target = head.targets(b.final, b.loss_mask, draft_ids, soft_target=cfg.soft_target)
     return engine(b.aux.to(dtype), b.input_ids, target, steps=cfg.ttt_steps, decay=cfg.loss_decay)
 
 

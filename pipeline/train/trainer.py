@@ -18,22 +18,21 @@ from safetensors.torch import save as st_save
 
 from pipeline import conventions
 from pipeline.conventions import releases
-from pipeline.draft.export import ExportError, export_draft, serving_ids
-from pipeline.draft.model import DraftConfig, Eagle3Draft
-from pipeline.draft.target_head import load_embedding
+from pipeline.draft.export import ExportError, serving_ids
+from pipeline.draft.model import DraftConfig
 from pipeline.draft.vocab import build_draft_vocab, count_trained_tokens
+from pipeline.fingerprint import Fingerprints
 from pipeline.identity import target_identity
 from pipeline.store.fs import (
     atomic_write_bytes,
-    exists,
     join,
-    publish_local_file,
     read_bytes,
     resolve,
 )
-from pipeline.store.reader import DatasetReader, ProvenanceMismatch, load_manifest
-from pipeline.train import checkpoint
+from pipeline.store.reader import DatasetReader, ProvenanceMismatch
+from pipeline.train import checkpoint, heldout
 from pipeline.train.data import index_samples, split_eval
+from pipeline.train.export import RUN_FILE, export_family, export_run
 from pipeline.train.loop import RunPlan, train_worker
 from schemas.capture import CapturePoint
 from schemas.config import TrainConfig
@@ -41,7 +40,6 @@ from schemas.manifest import MANIFEST_NAME
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "run.json"
 
 
 def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[CapturePoint], CapturePoint, bool]:
@@ -70,12 +68,6 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
         raise ProvenanceMismatch(f"dataset {reader.uri} has no residual-stream points to train on")
     ordered = sorted(aux, key=lambda p: p.sort_key(n))
     return ordered, final, needs_norm
-
-
-def export_family(cfg: TrainConfig, engine: str, target_cfg: dict, sglang_family: str | None = None) -> str:
-    """The capture-rule family an export for ``engine`` is written for (SGLang's can be forced)."""
-    family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
-    return conventions.engine_family(engine, target_cfg) if family == "auto" else family
 
 
 def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg: dict) -> None:
@@ -110,7 +102,10 @@ def prepare(cfg: TrainConfig) -> RunPlan:
         ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
     atomic_write_bytes(fs, join(root, "vocab.safetensors"), st_save({"ids": ids, "d2t": d2t, "t2d": t2d}))
     refs = index_samples(reader)
-    train, held = split_eval(refs, cfg.eval_fraction)
+    probes = frozenset()
+    if reader.manifest.fingerprints:  # acceptance prompts are prefixes of these: never train on them
+        probes = frozenset(Fingerprints.load(cfg.dataset, cfg.s3, name=reader.manifest.fingerprints["path"]).sample_ids)
+    train, held = split_eval(refs, cfg.eval_fraction, probes)
     draft = DraftConfig.from_target(target_cfg, len(aux), int(ids.numel()))
     resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
     log.info(
@@ -171,6 +166,11 @@ def _token_masks(reader: DatasetReader):
 
 
 def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
+    if use_ray:  # before anything is written
+        from pipeline.cluster import init_ray
+
+        init_ray(cfg.ray_address)
+        check_resources(cfg)
     plan = prepare(cfg)
     plan.use_ray_data = use_ray
     plan_json = json.dumps(dataclasses.asdict(plan))
@@ -178,6 +178,7 @@ def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
         result = _fit_on_ray(cfg, plan_json)
     else:
         result = _fit_in_process(plan_json)
+    heldout.measure_and_record(cfg, {"aux": plan.aux}, result, use_ray)
     manifests = export_run(cfg.output, cfg.s3)
     return {"metrics": result, "exports": manifests}
 
@@ -206,8 +207,29 @@ def _free_port() -> int:
 def _ray_worker(config: dict) -> None:
     import ray.train
 
+    if not config["use_gpu"]:  # one torch thread per CPU this worker holds (Ray's OMP default counts whole CPUs)
+        torch.set_num_threads(max(1, round(config["cpus_per_worker"])))
     ctx = ray.train.get_context()
     train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
+
+
+DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.data.BatchStream)
+
+
+def check_resources(cfg: TrainConfig) -> None:
+    """Refuse a plan the cluster cannot run instead of hanging: the workers and at least one
+    decode task must fit in the cluster's CPUs (GPUs likewise)."""
+    import ray
+
+    total = ray.cluster_resources()
+    need_cpu = cfg.num_workers * cfg.cpus_per_worker + DECODE_TASK_CPUS
+    if total.get("CPU", 0) < need_cpu:
+        raise ValueError(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker} + "
+                         f"{DECODE_TASK_CPUS} CPU for the data decode tasks = {need_cpu} CPUs, but the Ray cluster has "
+                         f"{total.get('CPU', 0):g}: lower cpus_per_worker or num_workers, or add nodes")
+    if cfg.use_gpu and total.get("GPU", 0) < cfg.num_workers:
+        raise ValueError(f"train: use_gpu with {cfg.num_workers} workers needs {cfg.num_workers} GPUs, the Ray "
+                         f"cluster has {total.get('GPU', 0):g}")
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
@@ -220,7 +242,7 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
     storage = tempfile.mkdtemp(prefix="strata-raytrain-")  # Ray Train's run state; Strata's is in cfg.output
     trainer = TorchTrainer(
         _ray_worker,
-        train_loop_config={"plan_json": plan_json},
+        train_loop_config={"plan_json": plan_json, "cpus_per_worker": cfg.cpus_per_worker, "use_gpu": cfg.use_gpu},
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
@@ -232,56 +254,3 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
         shutil.rmtree(storage, ignore_errors=True)
     fs, root = resolve(cfg.output, cfg.s3)
     return json.loads(read_bytes(fs, join(root, "final_metrics.json")))
-
-
-def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri: str | None = None,
-               sglang_family: str | None = None, dtype: str | None = None) -> list[dict]:
-    """Export the latest checkpoint of a training run for each serving engine.
-
-    Writes ``<dest>/<engine>/`` (default dest: ``<run>/export``); the aux ids come from the
-    run's capture points through the conventions module.
-    """
-    fs, root = resolve(run_uri, s3)
-    if not exists(fs, join(root, RUN_FILE)):
-        raise FileNotFoundError(f"{run_uri}: no {RUN_FILE}; is this a Strata training run directory?")
-    run = json.loads(read_bytes(fs, join(root, RUN_FILE)))
-    cfg = TrainConfig.model_validate(run["cfg"])
-    name = checkpoint.latest(run_uri, s3)
-    if name is None:
-        raise FileNotFoundError(f"{run_uri}: no checkpoint to export yet")
-    model = Eagle3Draft(DraftConfig(**run["draft"]))
-    weights = st_load(read_bytes(fs, join(root, "checkpoints", name, "model.safetensors")))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) != {"embed_tokens.weight"}:
-        raise ValueError(f"checkpoint {name} does not match the run's draft: missing {missing}, unexpected {unexpected}")
-    model.embed_tokens.weight.data.copy_(load_embedding(cfg.target.path))
-    model = model.float()
-    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
-    metrics_path = join(root, "final_metrics.json")
-    metrics = json.loads(read_bytes(fs, metrics_path)) if exists(fs, metrics_path) else {}
-    target_cfg = json.loads(Path(cfg.target.path, "config.json").read_text())
-    dfs, droot = resolve(dest_uri, s3) if dest_uri else (fs, join(root, "export"))
-    fingerprints = None
-    ds_manifest = load_manifest(cfg.dataset, cfg.s3)
-    if ds_manifest.fingerprints:
-        rfs, rroot = resolve(cfg.dataset, cfg.s3)
-        fingerprints = (read_bytes(rfs, join(rroot, ds_manifest.fingerprints["path"])), ds_manifest.fingerprints)
-    out = []
-    with tempfile.TemporaryDirectory(prefix="strata-export-") as tmp:  # staged, then published
-        for engine in engines or cfg.export.engines:
-            family = export_family(cfg, engine, target_cfg, sglang_family)
-            dest = os.path.join(tmp, engine)
-            m = export_draft(
-                model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
-                dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
-                dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
-                release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
-                training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
-                fingerprints=fingerprints,
-            )
-            for fname in os.listdir(dest):
-                publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))
-            log.info("exported %s draft (aux ids %s, %s) to %s", engine, m.aux_layer_ids, m.aux_layer_ids_convention,
-                     join(droot, engine))
-            out.append(m.model_dump(mode="json"))
-    return out

@@ -21,11 +21,7 @@ from schemas.validation import ValidateConfig
 
 
 def prompts(cfg: ValidateConfig, fp: Fingerprints) -> list[list[int]]:
-    out = []
-    for i in range(min(cfg.acceptance_prompts, len(fp.sample_ids))):
-        toks = fp.tokens(i)
-        out.append(toks[: max(4, min(48, len(toks) // 2))])
-    return out
+    return fp.prompts(cfg.acceptance_prompts)
 
 
 def predicted_accepted_per_step(manifest: DraftArtifactManifest, k: int) -> float | None:
@@ -80,5 +76,6 @@ def serve_as_configured(engine: TargetEngine, cfg: ValidateConfig, art: Path, dr
     try:
         return serve(engine, cfg, draft_dir, ps)
     finally:
-        if temporary:
+        if temporary:  # a one-off copy: no later validation can reuse an engine serving it
+            engine.release_draft(draft_dir)
             shutil.rmtree(draft_dir, ignore_errors=True)

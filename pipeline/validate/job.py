@@ -142,6 +142,10 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
                                    "serving.replay: hf to replay through HF transformers with its reading rules") from None
     try:
         report = decide(case, engine)
+        if report.decision == "block":
+            if cfg.cost:
+                report.cost = blocked_cost(case, engine)
+            engine.release_draft(case.art)  # a blocked configuration does not stay loaded
     finally:
         if owned:
             engine.close()
@@ -197,6 +201,23 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
             "note": "measured: fp32 replay of fp32 data ~1e-6; bf16 vs fp32 ~0.2-1%; eager vs sdpa ~1e-6 (fp32); "
                     "adjacent boundaries 28-96% on the tiny target"},
     )
+
+
+def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
+    """The cost table for a blocked configuration, where the serving engine itself runs here
+    (None when validation was not asked to run it: ``replay: hf`` or no acceptance prompts)."""
+    from pipeline.validate.cost import cost_table
+
+    cfg, s = case.cfg, case.cfg.serving
+    if s.replay != "engine" or cfg.acceptance_prompts == 0:
+        return None
+    got, wrong = checks.installed_release(s, case.release)
+    if wrong.reasons:
+        return {"skipped": f"the installed {s.engine} {got} is not the serving release {case.release}"}
+    reading = case.readings[0]
+    return cost_table(engine, case.art, case.draft_cfg_path, case.trained, case.n, case.family, case.release,
+                      reading.rule.runner, acceptance.prompts(cfg, case.fp), cfg.cost_max_new_tokens,
+                      cfg.speculative_tokens)
 
 
 def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: bool
@@ -294,7 +315,8 @@ def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art
     out = {**served.acceptance, "reference": ref} if served is not None else ref
     if blocked and served is not None:
         out["note"] = "measured for the report only: this configuration is blocked"
-    return {**out, "predicted_accepted_per_step": acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens)}
+    return {**out, "predicted_accepted_per_step": acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens),
+            "heldout_at_training": manifest.metrics.get("heldout_acceptance")}
 
 
 def _acceptance_reasons(cfg: ValidateConfig, accept: dict) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.validate.cost import table_lines
 from pipeline.validate.gate import label
 from schemas.capture import CapturePoint
 from schemas.validation import ValidationReport
@@ -34,7 +35,16 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
             ref = a["reference"]
             lines.append(f"{indent}  reference implementation: mean length {ref['mean_acceptance_length']:.2f}, "
                          f"per position {[round(x, 2) for x in ref['acceptance_per_pos']]}")
+        held = a.get("heldout_at_training") or {}
+        if "mean_acceptance_length" in held:
+            lines.append(f"{indent}  at training (held-out prompts, {held['measured_by']}): mean length "
+                         f"{held['mean_acceptance_length']:.2f}; training accuracy predicted "
+                         f"{1 + (held.get('predicted_accepted_per_step') or 0):.2f}")
     lines += [f"{indent}- {x}" for x in r.reasons]
+    if r.cost is not None:
+        lines.append(f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "
+                     f"{r.cost.get('prompts', 0)} held-out prompts, report only):")
+        lines += [f"{indent}  {x}" for x in table_lines(r.cost)]
     if r.report_dir:
         lines.append(f"{indent}report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")
     return lines
@@ -71,6 +81,8 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
     lines += [f"- {'ok' if c.ok else 'MISMATCH'}: {c.message}" for c in r.identity]
     lines += ["", "## Acceptance (reference speculative decoding, the points the engine feeds)", "",
               "```", *(f"{k}: {v}" for k, v in r.acceptance.items()), "```", "",
+              *(["## What this configuration would cost (measured, report only)", "", r.cost.get("note", ""), "",
+                 "```", *table_lines(r.cost), "```", ""] if r.cost is not None else []),
               "## Tolerances and calibration", "", "```", *(f"{k}: {v}" for k, v in r.tolerances.items()),
               *(f"{k}: {v}" for k, v in r.calibration.items()), "```", ""]
     (out / "report.md").write_text("\n".join(lines))

@@ -1,0 +1,120 @@
+"""What a blocked configuration would have cost, measured through the serving engine.
+
+A blocked verdict says *that* the engine would feed the draft the wrong layers; this table
+says what it would have cost a user, on the validation's own (held-out) prompts: the
+target alone, the draft with the configuration as written, and the draft with the ids the
+conventions module gives for the trained capture points -- mean acceptance length,
+per-position acceptance and single-stream decode tokens/s, each configuration timed the
+same way. It is a measurement for the report: nothing here is recorded as servable, and
+every draft it loaded is unloaded before the validation returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from pipeline import conventions
+from pipeline.engines.base import DecodeTiming, TargetEngine
+from pipeline.engines.errors import EngineUnavailable
+
+log = logging.getLogger(__name__)
+
+NOTE = ("measured for this report only: the configuration is blocked, nothing was promoted, and every draft "
+        "loaded for the measurement was unloaded")
+
+
+def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None) -> dict:
+    acc = t.acceptance or {}
+    row = {"configuration": name, "draft_config": config, "new_tokens": t.new_tokens,
+           "decode_tokens_per_s": round(t.decode_tokens_per_s, 2),
+           "mean_acceptance_length": round(acc["mean_acceptance_length"], 3) if acc else None,
+           "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None}
+    if base is not None:
+        row["speedup_vs_no_speculation"] = round(t.decode_tokens_per_s / base.decode_tokens_per_s, 3)
+        row["same_output_as_no_speculation"] = t.outputs == base.outputs
+    return row
+
+
+def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, prompts, max_new_tokens: int, k: int,
+               base: DecodeTiming) -> dict:
+    try:
+        return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base)
+    except EngineUnavailable:
+        raise
+    except Exception as e:  # the engine refusing this configuration is the row's finding
+        return {"configuration": name, "draft_config": config,
+                "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}"}
+
+
+def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained, n: int, family: str, release: str,
+               runner, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
+    """Rows for: no speculation, the draft as configured, the draft with the correct ids."""
+    served = json.loads(draft_config.read_text())
+    ids_written = conventions.ids_in_draft_config(served, engine.name, release, family, runner)[0]
+    try:
+        fixed, why = conventions.corrected_draft_config(served, trained, engine.name, n, family, release, runner), ""
+    except conventions.ConventionError as e:
+        fixed, why = None, str(e)
+    log.info("cost of the blocked configuration: timing %d prompts x %d new tokens through %s %s "
+             "(no speculation / as written / correct ids)", len(prompts), max_new_tokens, engine.name, engine.version)
+    tmp = Path(tempfile.mkdtemp(prefix="strata-cost-"))
+    loaded: list[Path] = []  # every draft directory served for this table: unloaded before returning
+    try:
+        base = engine.timed_decode(None, prompts, max_new_tokens, k)
+        rows = [_row("no speculation", "-", base, None)]
+        if fixed is None:
+            correct = {"configuration": "draft, correct ids", "skipped": f"no id list feeds the trained points: {why}"}
+        else:
+            fixed_dir = art  # the artifact's own config already has them: reuse a running engine if there is one
+            if fixed != json.loads((art / "config.json").read_text()):
+                fixed_dir = _draft_dir_with(art, fixed, tmp / "fixed")
+                loaded.append(fixed_dir)
+            ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
+            correct = _draft_row("draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts,
+                                 max_new_tokens, k, base)
+        written_dir = art if draft_config.resolve() == (art / "config.json").resolve() else \
+            _draft_dir_with(art, served, tmp / "as-written")
+        loaded.append(written_dir)
+        rows += [_draft_row("draft, config as written", f"ids {ids_written}", engine, written_dir, prompts,
+                            max_new_tokens, k, base), correct]
+        return {"rows": rows, "prompts": len(prompts), "new_tokens_per_prompt": max_new_tokens, "k": k,
+                "timing": "single stream, prefill subtracted, EOS ignored",
+                "measured_by": f"{engine.name} {engine.version}", "note": NOTE}
+    except EngineUnavailable as e:
+        return {"skipped": str(e)}
+    finally:
+        for d in loaded:
+            engine.release_draft(d)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
+    """A copy of the artifact's files with ``config`` as its config.json."""
+    dest.mkdir(parents=True)
+    for f in art.iterdir():
+        if f.is_file() and f.name != "config.json":
+            shutil.copy2(f, dest / f.name)
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    return dest
+
+
+def table_lines(cost: dict) -> list[str]:
+    """The cost table as aligned text lines (report and demo)."""
+    if "rows" not in cost:
+        return [f"cost not measured: {cost.get('skipped', 'no table')}"]
+    out = [f"{'configuration':<28} {'draft config':<18} {'accept len':>10} {'per position':<22} {'decode tok/s':>12}"]
+    for r in cost["rows"]:
+        if "skipped" in r:
+            out.append(f"{r['configuration']:<28} {r['skipped']}")
+            continue
+        acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
+        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) if r["acceptance_per_pos"] else "-"
+        speed = f"{r['decode_tokens_per_s']:.1f}"
+        if "speedup_vs_no_speculation" in r:
+            speed += f" ({r['speedup_vs_no_speculation']:.2f}x)"
+        out.append(f"{r['configuration']:<28} {r['draft_config']:<18} {acc:>10} {per:<22} {speed:>12}")
+    return out

@@ -1,0 +1,119 @@
+"""On the trained tiny target: held-out acceptance recorded at training, and the cost table a
+blocked configuration gets -- measured through vLLM itself, never for a passing one, and
+nothing it measures moves a channel or stays loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.fingerprint import Fingerprints
+from pipeline.validate.job import run_validate
+from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.validation import ValidateConfig
+
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+
+
+def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_run, tmp_path):
+    from pipeline.store.reader import load_manifest
+    from pipeline.train.trainer import prepare
+    from schemas.config import TrainConfig
+
+    ds = pretrained_run.parent / "ds"
+    final = json.loads((pretrained_run / "final_metrics.json").read_text())
+    held = final["heldout_acceptance"]
+    fp = Fingerprints.load(str(ds), name=load_manifest(str(ds)).fingerprints["path"])
+    # The prompts are prefixes of the probe samples ...
+    assert held["prompt_sample_ids"] == fp.sample_ids[: held["prompts"]] and held["prompts"] == 8
+    assert fp.prompts(8) == [fp.tokens(i)[: len(p)] for i, p in enumerate(fp.prompts(8))]
+    # ... which training's plan holds out, even where the eval fraction alone would not.
+    run_cfg = json.loads((pretrained_run / "run.json").read_text())["cfg"]
+    for fraction in (0.05, 0.0):
+        plan = prepare(TrainConfig.model_validate({**run_cfg, "output": str(tmp_path / f"plan-{fraction}"),
+                                                   "eval_fraction": fraction}))
+        trained_on = {r["sample_id"] for r in plan.train_refs}
+        assert trained_on and not trained_on & set(fp.sample_ids)
+        assert set(fp.sample_ids) <= {r["sample_id"] for r in plan.eval_refs}
+    # Per position, next to the training accuracy's prediction; lossless greedy decoding.
+    assert len(held["acceptance_per_pos"]) == held["k"] == 3 and held["lossless"]
+    assert held["mean_acceptance_length"] == pytest.approx(1 + held["accepted_per_step"])
+    assert held["predicted_accepted_per_step"] > 0
+    # In metrics.jsonl, and carried by the exported artifact.
+    lines = [json.loads(x) for x in (pretrained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [x for x in lines if x.get("kind") == "heldout_acceptance"] == [held]
+    manifest = DraftArtifactManifest.model_validate_json(
+        (pretrained_run / "export" / "vllm" / ARTIFACT_MANIFEST).read_text())
+    assert manifest.metrics["heldout_acceptance"] == held
+    # The draft learned the trained target: it accepts more than an untrained draft's ~1.0.
+    assert held["mean_acceptance_length"] > 1.2, held
+
+
+def validate(run, target, tmp_path, ids=None, **kw):
+    art = run / "export" / "vllm"
+    cfg = json.loads((art / "config.json").read_text())
+    if ids is not None:
+        cfg[AUX_KEY] = ids
+    p = tmp_path / f"config-{len(list(tmp_path.iterdir()))}.json"
+    p.write_text(json.dumps(cfg))
+    return run_validate(ValidateConfig.model_validate({
+        "artifact": str(art), "acceptance_prompts": 6, "max_new_tokens": 16, "speculative_tokens": 3,
+        "cost_max_new_tokens": 32, "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32",
+                                               "max_model_len": 512, "target": {"path": str(target)},
+                                               "draft_config": str(p)}, **kw}))
+
+
+@pytest.mark.vllm
+def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretrained_target, tmp_path):
+    from pipeline.registry.registry import Registry
+    from pipeline.registry.store import LocalStore
+    from pipeline.validate.job import serving_for_channel
+
+    registry = tmp_path / "registry"
+    ok = validate(pretrained_run, pretrained_target, tmp_path, registry=str(registry))
+    assert ok.decision == "pass", ok.reasons
+    assert ok.cost is None                                   # never for a passing configuration
+    reg = Registry(LocalStore(registry))
+    # The channel deploys the passing configuration; promote, then validate the incident's config.
+    good_cfg = tmp_path / "validate-good.yaml"
+    good_cfg.write_text(json.dumps({"artifact": str(pretrained_run / "export" / "vllm"), "serving": {
+        "engine": "vllm", "dtype": "float32", "max_model_len": 512, "target": {"path": str(pretrained_target)},
+        "draft_config": str(tmp_path / "config-0.json")}}))
+    reg.create_channel("production", serving_for_channel(str(good_cfg)))
+    before = reg.promote(ok.artifact_digest, "production")
+    history = len(reg.history("production"))
+
+    # The incident: the embedding inserted first, the last trained layer dropped.
+    bad = validate(pretrained_run, pretrained_target, tmp_path, ids=[0, 2, 6], registry=str(registry))
+    assert bad.decision == "block"
+    rows = {r["configuration"]: r for r in bad.cost["rows"]}
+    base, written, fixed = rows["no speculation"], rows["draft, config as written"], rows["draft, correct ids"]
+    assert written["draft_config"] == "ids [0, 2, 6]" and fixed["draft_config"] == "ids [2, 6, 9]"
+    assert base["mean_acceptance_length"] is None and base["decode_tokens_per_s"] > 0
+    for r in (written, fixed):
+        assert len(r["acceptance_per_pos"]) == 3 and r["decode_tokens_per_s"] > 0
+        assert r["same_output_as_no_speculation"]            # speculation is lossless either way (fp32)
+        assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                                                               rel=1e-2)
+    for r in (written, fixed):
+        assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["new_tokens"] == 6 * 32
+    assert bad.cost["note"].startswith("measured for this report only")
+    # Nothing moved the channel, and no draft loaded for the table is still being served.
+    assert reg.pointer("production")[0] == before and len(reg.history("production")) == history
+    loaded = [k[1] for k in vllm_engine.running("eagle3")]
+    assert not [k for k in loaded if "strata-cost-" in k or "strata-served-draft-" in k], loaded
+
+    # The text report carries the table; --no-cost (cost: false) leaves it out.
+    from pipeline.validate.report import summary
+
+    text = "\n".join(summary(bad))
+    assert "what this configuration would cost" in text and "draft, correct ids" in text
+    assert validate(pretrained_run, pretrained_target, tmp_path, ids=[0, 2, 6], cost=False).cost is None
+
+
+def test_no_cost_flag_parses():
+    from pipeline.cli import build_parser
+
+    assert build_parser().parse_args(["validate", "--config", "v.yaml", "--no-cost"]).no_cost
+    assert not build_parser().parse_args(["validate", "--config", "v.yaml"]).no_cost
