@@ -41,7 +41,6 @@ from schemas.manifest import MANIFEST_NAME
 log = logging.getLogger(__name__)
 
 
-
 def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[CapturePoint], CapturePoint, bool]:
     """(aux slots in ascending order, the final point, whether it still needs the final norm)."""
     n = reader.manifest.target.num_layers
