@@ -149,6 +149,8 @@ def _story(root: Path, say) -> bool:
     from pipeline.registry.store import LocalStore
     from pipeline.train.trainer import run_train
     from pipeline.validate.job import run_validate, serving_for_channel
+    from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+    from schemas.capture import CapturePoint
     from schemas.config import TrainConfig
     from schemas.validation import ValidateConfig
 
@@ -197,12 +199,13 @@ def _story(root: Path, say) -> bool:
     before = reg.pointer("production")[0]
 
     t = time.perf_counter()
-    bad_cfg = json.loads((art / "config.json").read_text())
-    trained_ids = bad_cfg[conventions.AUX_KEY]
-    # The incident's edit: the embedding's id (0) put first, every trained id moved one slot on.
-    bad_cfg[conventions.AUX_KEY] = [0, *trained_ids[:-1]]
+    good_cfg = json.loads((art / "config.json").read_text())
+    trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
+    layers = json.loads((root / "target" / "config.json").read_text())["num_hidden_layers"]
+    # The incident: the engine fed the embedding first and every trained point one slot on.
+    bad_cfg = conventions.draft_config_feeding(good_cfg, [CapturePoint.embedding(), *trained[:-1]], "vllm", layers)
     say(f"\n== 5/5 the incident: embedding inserted first, last slot dropped (ids {bad_cfg[conventions.AUX_KEY]} "
-        f"for a draft trained on {trained_ids})")
+        f"for a draft trained on {good_cfg[conventions.AUX_KEY]})")
     (root / "misconfigured-config.json").write_text(json.dumps(bad_cfg, indent=1))
     bad = root / "validate-misconfigured.yaml"
     bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),

@@ -73,12 +73,13 @@ def _source_pieces(max_chars: int = 3000) -> list[tuple[str, str]]:
             path = None
         if not path or not os.path.exists(path):
             continue
-        text, piece, k = Path(path).read_text(encoding="utf-8"), [], 0
+        text, piece, size, k = Path(path).read_text(encoding="utf-8"), [], 0, 0
         for line in text.splitlines(keepends=True):
             piece.append(line)
-            if sum(map(len, piece)) >= max_chars:
+            size += len(line)
+            if size >= max_chars:
                 out.append((f"src:{name}:{k}", "".join(piece)))
-                piece, k = [], k + 1
+                piece, size, k = [], 0, k + 1
         if piece:
             out.append((f"src:{name}:{k}", "".join(piece)))
     return out

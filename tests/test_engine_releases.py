@@ -176,11 +176,11 @@ def test_corrected_config_is_read_back_as_the_trained_points(engine, release, wh
     points = [CapturePoint.parse(p) for p in ("layer_output:1", "layer_output:5", "layer_output:8")]
     served = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 6],
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6], "use_aux_hidden_state": True}}
-    fixed = conventions.corrected_draft_config(served, points, engine, 12, "llama", release)
+    fixed = conventions.draft_config_feeding(served, points, engine, 12, "llama", release)
     ids, key = conventions.ids_in_draft_config(fixed, engine, release, "llama")
     assert conventions.points_read_from(ids, engine, 12, "llama", release) == points
     assert fixed["architectures"] == served["architectures"] and served["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]
     assert key.startswith("eagle_config.") == (where == "nested")
     with pytest.raises(conventions.ConventionError):  # no engine feeds the post-norm final state
-        conventions.corrected_draft_config(served, [*points[:2], CapturePoint.parse("final:post_norm")], engine, 12,
+        conventions.draft_config_feeding(served, [*points[:2], CapturePoint.parse("final:post_norm")], engine, 12,
                                            "llama", release)

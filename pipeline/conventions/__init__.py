@@ -208,11 +208,11 @@ def ids_in_draft_config(config: dict, tool: Tool, release: str = NEWEST, family:
     return releases.ids_in_config(releases.rule_for(tool, release, family, runner), config)
 
 
-def corrected_draft_config(config: dict, points: Sequence[CapturePoint], tool: Tool, num_layers: int,
-                           family: str = "llama", release: str = NEWEST,
-                           runner: releases.Runner | None = None) -> dict:
-    """``config`` with the ids that make ``tool`` (at ``release``) feed exactly ``points``,
-    read back through the same rule before it is returned."""
+def draft_config_feeding(config: dict, points: Sequence[CapturePoint], tool: Tool, num_layers: int,
+                         family: str = "llama", release: str = NEWEST,
+                         runner: releases.Runner | None = None) -> dict:
+    """``config`` with the ids that make ``tool`` (at ``release``) feed exactly ``points`` -- the
+    fix for a blocked config, or a deliberate misconfiguration -- read back through the same rule."""
     rule = releases.rule_for(tool, release, family, runner)  # type: ignore[arg-type]
     out = releases.config_with_ids(rule, config, aux_ids_for(points, tool, num_layers, family, release, runner))
     read = releases.boundaries_read(rule, releases.ids_in_config(rule, out)[0], num_layers)

@@ -60,7 +60,7 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
             if eval_acc else None}
 
 
-def measure_and_record(cfg: TrainConfig, run: dict, metrics: dict, use_ray: bool) -> dict:
+def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool) -> dict:
     """Measure (as a Ray task with ``use_ray``) and add the result to ``metrics.jsonl`` and
     ``final_metrics.json``, which the export then carries into every artifact."""
     from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
@@ -75,9 +75,9 @@ def measure_and_record(cfg: TrainConfig, run: dict, metrics: dict, use_ray: bool
 
         init_ray(cfg.ray_address)
         task = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0)(measure)
-        result = ray.get(task.remote(cfg, run["aux"], eval_acc))
+        result = ray.get(task.remote(cfg, aux, eval_acc))
     else:
-        result = measure(cfg, run["aux"], eval_acc)
+        result = measure(cfg, aux, eval_acc)
     if "skipped" not in result:
         result["step"] = metrics.get("steps")
         log.info("held-out acceptance (%d prompts, k=%d): mean acceptance length %.2f, per position %s; "

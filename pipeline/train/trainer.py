@@ -177,7 +177,7 @@ def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
         result = _fit_on_ray(cfg, plan_json)
     else:
         result = _fit_in_process(plan_json)
-    heldout.measure_and_record(cfg, {"aux": plan.aux}, result, use_ray)
+    heldout.measure_and_record(cfg, plan.aux, result, use_ray)
     manifests = export_run(cfg.output, cfg.s3)
     return {"metrics": result, "exports": manifests}
 

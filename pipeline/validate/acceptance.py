@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline.draft.model import simulated_acceptance_length
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.fingerprint import Fingerprints
 from schemas.artifact import DraftArtifactManifest
@@ -27,13 +28,7 @@ def prompts(cfg: ValidateConfig, fp: Fingerprints) -> list[list[int]]:
 def predicted_accepted_per_step(manifest: DraftArtifactManifest, k: int) -> float | None:
     """Expected accepted tokens per verify step if the training per-position accuracy held."""
     acc = (manifest.metrics.get("eval") or {}).get("acc_per_pos") or []
-    if not acc:
-        return None
-    prod, total = 1.0, 0.0
-    for a in acc[:k]:
-        prod *= a
-        total += prod
-    return total
+    return simulated_acceptance_length(acc[:k]) if acc else None
 
 
 def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> dict:
@@ -62,11 +57,17 @@ def served_draft_dir(art: Path, draft_config: Path) -> tuple[Path, bool]:
             json.loads(draft_config.read_text()) == json.loads((art / "config.json").read_text())):
         return art, False
     tmp = Path(tempfile.mkdtemp(prefix="strata-served-draft-"))
+    return draft_dir_with(art, json.loads(draft_config.read_text()), tmp), True
+
+
+def draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
+    """A copy of the artifact's files in ``dest`` with ``config`` as its config.json."""
+    dest.mkdir(parents=True, exist_ok=True)
     for f in art.iterdir():
         if f.is_file() and f.name != "config.json":
-            shutil.copy2(f, tmp / f.name)
-    shutil.copy2(draft_config, tmp / "config.json")
-    return tmp, True
+            shutil.copy2(f, dest / f.name)
+    (dest / "config.json").write_text(json.dumps(config, indent=1))
+    return dest
 
 
 def serve_as_configured(engine: TargetEngine, cfg: ValidateConfig, art: Path, draft_config: Path,

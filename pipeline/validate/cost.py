@@ -20,6 +20,8 @@ from pathlib import Path
 from pipeline import conventions
 from pipeline.engines.base import DecodeTiming, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
+from pipeline.validate.acceptance import draft_dir_with
+from schemas.capture import CapturePoint
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +52,13 @@ def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, pr
                 "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}"}
 
 
-def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained, n: int, family: str, release: str,
-               runner, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
+def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: list[CapturePoint], n: int, family: str,
+               release: str, runner: str | None, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
     """Rows for: no speculation, the draft as configured, the draft with the correct ids."""
     served = json.loads(draft_config.read_text())
     ids_written = conventions.ids_in_draft_config(served, engine.name, release, family, runner)[0]
     try:
-        fixed, why = conventions.corrected_draft_config(served, trained, engine.name, n, family, release, runner), ""
+        fixed, why = conventions.draft_config_feeding(served, trained, engine.name, n, family, release, runner), ""
     except conventions.ConventionError as e:
         fixed, why = None, str(e)
     log.info("cost of the blocked configuration: timing %d prompts x %d new tokens through %s %s "
@@ -71,13 +73,13 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained, n: 
         else:
             fixed_dir = art  # the artifact's own config already has them: reuse a running engine if there is one
             if fixed != json.loads((art / "config.json").read_text()):
-                fixed_dir = _draft_dir_with(art, fixed, tmp / "fixed")
+                fixed_dir = draft_dir_with(art, fixed, tmp / "fixed")
                 loaded.append(fixed_dir)
             ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
             correct = _draft_row("draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts,
                                  max_new_tokens, k, base)
         written_dir = art if draft_config.resolve() == (art / "config.json").resolve() else \
-            _draft_dir_with(art, served, tmp / "as-written")
+            draft_dir_with(art, served, tmp / "as-written")
         loaded.append(written_dir)
         rows += [_draft_row("draft, config as written", f"ids {ids_written}", engine, written_dir, prompts,
                             max_new_tokens, k, base), correct]
@@ -90,16 +92,6 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained, n: 
         for d in loaded:
             engine.release_draft(d)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
-    """A copy of the artifact's files with ``config`` as its config.json."""
-    dest.mkdir(parents=True)
-    for f in art.iterdir():
-        if f.is_file() and f.name != "config.json":
-            shutil.copy2(f, dest / f.name)
-    (dest / "config.json").write_text(json.dumps(config, indent=1))
-    return dest
 
 
 def table_lines(cost: dict) -> list[str]:

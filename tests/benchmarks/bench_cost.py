@@ -21,19 +21,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipeline.conventions import default_aux_points  # noqa: E402
+from pipeline.conventions import AUX_KEY, boundary_point, default_aux_points, draft_config_feeding  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target  # noqa: E402
 from pipeline.tiny import write_conversations  # noqa: E402
 from pipeline.train.trainer import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
+from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest  # noqa: E402
+from schemas.capture import CapturePoint  # noqa: E402
 from schemas.config import ExtractConfig, TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402
 
-AUX_KEY = "eagle_aux_hidden_state_layer_ids"
-# Wrong configurations, made from the exported (correct) ids the way people get them wrong.
-MISCONFIGURED = {"incident: embedding inserted, last slot dropped": lambda ids: [0, *ids[:-1]],
-                 "every slot shifted +1": lambda ids: [i + 1 for i in ids]}
+LAYERS = 12
+# Wrong configurations as the capture points they make vLLM feed, from the trained points.
+MISCONFIGURED = {"incident: embedding inserted, last slot dropped": lambda pts: [CapturePoint.embedding(), *pts[:-1]],
+                 "every slot shifted +1": lambda pts: [boundary_point(p.boundary(LAYERS) + 1, LAYERS) for p in pts]}
 
 
 def main() -> None:
@@ -44,7 +46,7 @@ def main() -> None:
     write_conversations(root / "conv.jsonl")
     run_extract(ExtractConfig.model_validate({
         "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": [*(str(p) for p in default_aux_points("vllm", 12)), "final:post_norm"], "max_length": 512,
+        "capture": [*(str(p) for p in default_aux_points("vllm", LAYERS)), "final:post_norm"], "max_length": 512,
         "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 16}}),
         progress=False, use_ray=False)
     out = run_train(TrainConfig.model_validate({
@@ -54,9 +56,10 @@ def main() -> None:
         "export": {"dtype": "float32", "engines": ["vllm"]}}), use_ray=False)
     art = root / "run" / "export" / "vllm"
     tables = {}
+    trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
     for name, wrong in MISCONFIGURED.items():
-        cfg = json.loads((art / "config.json").read_text())
-        ids = cfg[AUX_KEY] = wrong(cfg[AUX_KEY])
+        cfg = draft_config_feeding(json.loads((art / "config.json").read_text()), wrong(trained), "vllm", LAYERS)
+        ids = cfg[AUX_KEY]
         (root / "served.json").write_text(json.dumps(cfg))
         r = run_validate(ValidateConfig.model_validate({
             "artifact": str(art), "acceptance_prompts": 8, "cost_max_new_tokens": 64,
