@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import get_args
 
+from pipeline.conventions.releases import SGLANG_FAMILIES
 from pipeline.registry.store import StoreUnavailable
-from schemas.config import ConfigError
+from schemas.config import ConfigError, S3Config
+from schemas.provenance import DType
 from schemas.registry import InvalidName
 
 log = logging.getLogger("strata")
@@ -77,7 +80,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.train.trainer import run_train
+    from pipeline.train.job import run_train
     from schemas.config import TrainConfig, load_config
 
     if args.config:
@@ -105,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipeline.train.export import export_run
 
     try:
-        out = export_run(args.run, engines=args.engine or None, dest_uri=args.out, sglang_family=args.sglang_family,
+        out = export_run(args.run, engines=args.engine or None, dest_uri=args.out, engine_family=args.engine_family,
                          dtype=args.dtype)
     except ExportError as e:
         print(f"strata: cannot export: {e}", file=sys.stderr)
@@ -152,7 +155,7 @@ def _registry(args: argparse.Namespace):
     from pipeline.registry.store import open_store
 
     uri = args.registry or os.environ.get("STRATA_REGISTRY") or "strata-registry"
-    return Registry(open_store(uri, os.environ.get("AWS_ENDPOINT_URL")))
+    return Registry(open_store(uri, S3Config()))
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
@@ -324,8 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run", help="training run directory (the train config's output)")
     s.add_argument("--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config")
     s.add_argument("--out", help="destination (default: <run>/export)")
-    s.add_argument("--sglang-family", choices=["auto", "llama", "qwen", "qwen3_moe", "deepseek_v2", "gpt_oss"], default=None)
-    s.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None)
+    s.add_argument("--engine-family", "--sglang-family", dest="engine_family", default=None,
+                   choices=["auto", *SGLANG_FAMILIES],
+                   help="force the SGLang capture rule (default: from the target's model_type)")
+    s.add_argument("--dtype", choices=list(get_args(DType)), default=None)
     s.set_defaults(func=cmd_export)
 
     s = sub.add_parser("validate", help="replay the probe set as the serving engine will; exit 0 pass, 3 block, 2 bad input")

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.draft.model import acceptance_length
 from schemas.config import ExtractConfig, load_config
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def _story(root: Path, say) -> bool:
     from pipeline.pretrain import RECORD
     from pipeline.registry.registry import Registry
     from pipeline.registry.store import LocalStore
-    from pipeline.train.trainer import run_train
+    from pipeline.train.job import run_train
     from pipeline.validate.job import run_validate, serving_for_channel
     from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
     from schemas.capture import CapturePoint
@@ -176,7 +177,7 @@ def _story(root: Path, say) -> bool:
     say(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
     if "mean_acceptance_length" in held:
         say(f"   held-out prompts: mean acceptance length {held['mean_acceptance_length']:.2f} "
-            f"(accuracy predicts {1 + (held['predicted_accepted_per_step'] or 0):.2f})  [{time.perf_counter() - t:.0f} s]")
+            f"(accuracy predicts {acceptance_length(held['predicted_accepted_per_step'] or 0):.2f})  [{time.perf_counter() - t:.0f} s]")
 
     art, registry = root / "run" / "export" / "vllm", root / "registry"
     serving = {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")}}

@@ -82,12 +82,27 @@ def chat_template_text(root: Path) -> str | None:
     return None
 
 
+def target_config(model_dir: str | Path) -> dict:
+    """A target's ``config.json`` (the one reader: a missing or broken file names the target)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"target {model_dir}: no config.json; expected a HuggingFace-format model "
+                                "directory") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"target {model_dir}: config.json is not valid JSON ({e})") from None
+
+
+def text_config(target_cfg: dict) -> dict:
+    """The text model's config: a multimodal wrapper's ``text_config``, else the config itself."""
+    return target_cfg.get("text_config") or target_cfg
+
+
 def target_identity(model_dir: str | Path, name: str | None = None, revision: str | None = None) -> TargetIdentity:
     root = Path(model_dir)
     cfg_path = root / "config.json"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"target {root}: no config.json; expected a HuggingFace-format model directory")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = target_config(root)
     weights = sorted(p.name for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
     if not weights:
         raise FileNotFoundError(f"target {root}: no weight files ({', '.join(WEIGHT_SUFFIXES)})")
@@ -96,7 +111,7 @@ def target_identity(model_dir: str | Path, name: str | None = None, revision: st
         raise FileNotFoundError(f"target {root}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     w, t = _digests(root, weights), _digests(root, tok)
     tpl = chat_template_text(root)
-    text_cfg = cfg.get("text_config", cfg)
+    text_cfg = text_config(cfg)
     return TargetIdentity(
         model_name=name or root.resolve().name,
         model_path=str(root.resolve()),

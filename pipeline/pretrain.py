@@ -27,6 +27,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pipeline import conventions
+from pipeline.tiny import DOC_MODULES, make_conversations, make_tiny_target, train_tokenizer
+
 log = logging.getLogger(__name__)
 
 RECORD = "strata_target.json"
@@ -63,7 +66,6 @@ def _source_pieces(max_chars: int = 3000) -> list[tuple[str, str]]:
     """The stdlib modules' own source files, cut at line boundaries into pieces (documents)."""
     import importlib
 
-    from pipeline.tiny import DOC_MODULES
 
     out = []
     for name in DOC_MODULES:
@@ -87,8 +89,6 @@ def _source_pieces(max_chars: int = 3000) -> list[tuple[str, str]]:
 
 def corpus_documents(tok) -> list[tuple[str, str]]:
     """(document id, text): stdlib source pieces, then the demo conversations in the chat template."""
-    from pipeline.tiny import make_conversations
-
     convs = [(f"conv:{i}", tok.apply_chat_template(c["messages"], tokenize=False))
              for i, c in enumerate(make_conversations())]
     return _source_pieces() + convs
@@ -120,8 +120,6 @@ def cache_key(recipe: PretrainRecipe, docs: list[tuple[str, str]]) -> str:
 def trained_tiny_target(out_dir: str | Path, recipe: PretrainRecipe = PretrainRecipe(), use_cache: bool = True) -> Path:
     """The trained tiny target in ``out_dir``: from the cache when this recipe + corpus was
     trained before, else trained now (and cached)."""
-    from pipeline.tiny import train_tokenizer
-
     out = Path(out_dir)
     docs = corpus_documents(train_tokenizer(recipe.vocab_size))
     key = cache_key(recipe, docs)
@@ -167,7 +165,6 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], key: str) -> None:
     import torch
 
-    from pipeline.tiny import make_tiny_target
 
     make_tiny_target(out, recipe.num_layers, recipe.hidden_size, vocab_size=recipe.vocab_size, seed=recipe.seed,
                      peaked_head=False)
@@ -276,7 +273,7 @@ def _evaluate(model, train: list[list[int]], held: list[list[int]], r: PretrainR
             hits += int((logits.argmax(-1) == labels).sum())
             uni_nll += -unigram.log()[labels].sum().item()
             n += labels.numel()
-            hs = out.hidden_states[:-1]  # r_0 .. r_{N-1} (HF's last entry is post-norm)
+            hs = conventions.hf_residual_states(out.hidden_states)
             adjacent.append([((b - a).norm() / a.norm()).item() for a, b in zip(hs[:-1], hs[1:], strict=True)])
     per_boundary = [round(sum(col) / len(col), 4) for col in zip(*adjacent, strict=True)]
     return {"heldout_loss": round(nll / n, 4), "heldout_perplexity": round(math.exp(nll / n), 2),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -10,6 +12,8 @@ from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
 
 ARTIFACT_MANIFEST = "strata_artifact.json"
+ARTIFACT_WEIGHTS = "model.safetensors"
+ARTIFACT_CONFIG = "config.json"          # the draft config the serving engine reads
 # Not *.safetensors: vLLM and SGLang load every top-level *.safetensors of a draft as weights.
 ARTIFACT_FINGERPRINTS = "strata_fingerprints.st"
 
@@ -33,3 +37,12 @@ class DraftArtifactManifest(BaseModel):
     training: dict = {}
     metrics: dict = {}
     fingerprints: dict | None = None       # filled by validation (issue 4)
+
+
+def content_digest(directory: str | Path) -> str:
+    """An artifact's identity: what the engine loads (weights and config.json), hashed by name.
+    The registry stores artifacts under it and validation checks it against the manifest."""
+    h = hashlib.sha256()
+    for name in (ARTIFACT_WEIGHTS, ARTIFACT_CONFIG):
+        h.update(name.encode() + b"\0" + hashlib.sha256((Path(directory) / name).read_bytes()).digest())
+    return h.hexdigest()

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from schemas.capture import CapturePoint, parse_points
-from schemas.provenance import DType
+from schemas.provenance import DType, TrainDType
 
 
 class ConfigError(ValueError):
@@ -49,10 +58,14 @@ class OutputConfig(_Strict):
 
 
 class S3Config(_Strict):
-    """Endpoint settings; credentials come only from the environment (never written)."""
+    """Endpoint settings, one object for datasets, runs and registries; credentials come only from
+    the environment (never written)."""
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = Field(None, description="None: AWS_ENDPOINT_URL if set, else AWS's own")
     region: str = "us-east-1"
+
+    def endpoint(self) -> str | None:
+        return self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
 
 
 class RayConfig(_Strict):
@@ -175,7 +188,7 @@ class OptimConfig(_Strict):
 
 class DeepSpeedConfig(_Strict):
     zero_stage: Literal[1, 2, 3] = 2
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: TrainDType = "bfloat16"
     config_file: str | None = Field(
         None, description="DeepSpeed JSON (e.g. infra/deepspeed/zero3-offload.json) merged over Strata's settings; "
         "batch size, accumulation and clipping stay Strata's (they are part of the training plan)")
@@ -183,10 +196,11 @@ class DeepSpeedConfig(_Strict):
 
 class ExportConfig(_Strict):
     engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
-    sglang_family: str = Field("auto", description="SGLang capture rule; auto = from the target's model_type")
+    engine_family: str = Field("auto", validation_alias=AliasChoices("engine_family", "sglang_family"),
+                               description="SGLang capture rule; auto = from the target's model_type")
     engine_versions: dict[Literal["sglang", "vllm"], str] = Field(
         default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)")
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    dtype: DType = "bfloat16"
 
 
 class HeldoutAcceptanceConfig(_Strict):

@@ -77,6 +77,7 @@ BOOKKEEPING_FIELDS: list[pa.Field] = [
 
 
 def plane_column(point: CapturePoint | str, k: int) -> str:
+    """The one spelling of a byte plane's column name (readers and writers both use it)."""
     return f"{point}#b{k}"
 
 

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict
 from schemas.capture import CapturePoint
 
 DType = Literal["bfloat16", "float16", "float32"]
+TrainDType = Literal["bfloat16", "float32"]  # DeepSpeed trains the draft in these (no fp16 loss scaling)
 
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 

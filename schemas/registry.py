@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.provenance import DType
+
 
 def _now() -> str:
     return datetime.now(UTC).isoformat()
@@ -46,7 +48,7 @@ class ServingConfig(BaseModel):
     engine: Literal["vllm", "sglang", "hf"]
     engine_version: str
     engine_family: str | None = None       # SGLang capture rule (llama, deepseek_v2, gpt_oss)
-    dtype: Literal["bfloat16", "float16", "float32"]
+    dtype: DType
     tp_size: int = 1
     vllm_runner: Literal["v1", "v2"] | None = None  # pinned vLLM model runner (None: vLLM's own choice)
     draft_config_sha256: str               # the config.json the engine will read

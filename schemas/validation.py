@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.capture import CapturePoint
-from schemas.config import TargetConfig
+from schemas.config import S3Config, TargetConfig
+from schemas.provenance import DType
 
 
 class ServingSpec(BaseModel):
@@ -23,7 +24,7 @@ class ServingSpec(BaseModel):
     vllm_runner: Literal["auto", "v1", "v2"] = Field(
         "auto", description="vLLM model runner: V1 and Model Runner V2 read draft configs differently; auto = "
         "whichever vLLM may pick (V2 is its GPU default from 0.28/0.29; CPUs run V1)")
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: DType = "bfloat16"
     tp_size: int = 1
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF replay only")
     replay: Literal["engine", "hf"] = Field(
@@ -58,6 +59,7 @@ class ValidateConfig(BaseModel):
     cost_max_new_tokens: int = Field(64, ge=8, description="tokens generated per prompt for the cost table's timing")
     report_dir: str | None = Field(None, description="where report.md, report.json, heatmap.png go")
     registry: str | None = Field(None, description="record the verdict in this registry (local dir or s3://)")
+    s3: S3Config = S3Config()
 
 
 class SlotCheck(BaseModel):

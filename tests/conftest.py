@@ -105,7 +105,7 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
     the sibling ``ds``."""
     from pipeline.extract.job import run_extract
     from pipeline.tiny import write_conversations
-    from pipeline.train.trainer import run_train
+    from pipeline.train.job import run_train
     from schemas.config import ExtractConfig, TrainConfig
 
     root = tmp_path_factory.mktemp("trained")
@@ -137,7 +137,7 @@ def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
     exported for vLLM: the run directory; its dataset is the sibling ``ds``."""
     from pipeline.extract.job import run_extract
     from pipeline.tiny import write_conversations
-    from pipeline.train.trainer import run_train
+    from pipeline.train.job import run_train
     from schemas.config import ExtractConfig, TrainConfig
 
     root = tmp_path_factory.mktemp("pretrained-run")

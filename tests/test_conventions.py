@@ -132,12 +132,16 @@ def test_specforge_family_is_output_ids(n):
 
 
 def test_model_type_to_sglang_family():
-    assert cv.sglang_family("llama") == cv.sglang_family("mistral") == "llama"
-    assert cv.sglang_family("qwen3") == "qwen" and cv.sglang_family("qwen3_moe") == "qwen3_moe"
-    assert cv.sglang_family("deepseek_v3") == cv.sglang_family("kimi_k25") == "deepseek_v2"
-    assert cv.sglang_family("gpt_oss") == "gpt_oss"
+    def fam(mt):
+        return cv.engine_family("sglang", {"model_type": mt})
+
+    assert fam("llama") == fam("mistral") == "llama"
+    assert fam("qwen3") == "qwen" and fam("qwen3_moe") == "qwen3_moe"
+    assert fam("deepseek_v3") == fam("kimi_k25") == "deepseek_v2"
+    assert fam("gpt_oss") == "gpt_oss"
+    assert cv.engine_family("sglang", {"model_type": "llama"}, "gpt_oss") == "gpt_oss"  # forced
     with pytest.raises(cv.ConventionError, match="no sglang capture rule is known for model_type 'mamba'"):
-        cv.sglang_family("mamba")
+        fam("mamba")
 
 
 def test_draft_config_reading_rules():

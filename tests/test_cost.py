@@ -18,7 +18,7 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_run, tmp_path):
     from pipeline.store.reader import load_manifest
-    from pipeline.train.trainer import prepare
+    from pipeline.train.job import prepare
     from schemas.config import TrainConfig
 
     ds = pretrained_run.parent / "ds"

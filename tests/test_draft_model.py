@@ -10,6 +10,7 @@ from pipeline.draft.model import (
     DraftConfig,
     Eagle3Draft,
     TargetBatch,
+    draft_to_target,
     init_weights,
     rope,
     shift,
@@ -19,7 +20,6 @@ from pipeline.draft.model import (
 from pipeline.draft.vocab import (
     build_draft_vocab,
     count_trained_tokens,
-    draft_to_target,
     target_to_draft,
 )
 

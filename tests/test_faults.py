@@ -13,6 +13,7 @@ from test_registry import SERVING, artifact, record
 from pipeline.cli import main as strata
 from pipeline.registry.registry import PromotionRefused, Registry
 from pipeline.registry.store import S3Store, StoreUnavailable
+from schemas.config import S3Config
 
 pytestmark = pytest.mark.s3
 
@@ -24,10 +25,10 @@ def test_wrong_credentials_are_one_clear_line(tmp_path, monkeypatch, capsys):
     s3.start()
     try:
         uri = "s3://strata-test/creds"
-        Registry(S3Store(uri, s3.endpoint)).create_channel("production", SERVING)
+        Registry(S3Store(uri, S3Config(endpoint_url=s3.endpoint))).create_channel("production", SERVING)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
         with pytest.raises(StoreUnavailable, match="refused the request .*check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"):
-            Registry(S3Store(uri, s3.endpoint)).channels()
+            Registry(S3Store(uri, S3Config(endpoint_url=s3.endpoint))).channels()
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
         assert strata(["registry", "ls", "--registry", uri]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -42,7 +43,7 @@ def test_s3_stopped_mid_run_and_restarted(tmp_path, monkeypatch):
     s3 = LocalS3(tmp_path)
     s3.start()
     try:
-        reg = Registry(S3Store(f"s3://strata-test/reg-{uuid.uuid4().hex[:6]}", s3.endpoint))
+        reg = Registry(S3Store(f"s3://strata-test/reg-{uuid.uuid4().hex[:6]}", S3Config(endpoint_url=s3.endpoint)))
         (d1, a), (d2, b) = artifact(tmp_path, 31), artifact(tmp_path, 32)
         for d, digest in ((d1, a), (d2, b)):
             reg.add_artifact(d)

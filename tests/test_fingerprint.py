@@ -63,7 +63,8 @@ def test_sketch_preserves_relative_l2_and_separates_neighbouring_layers(tiny_tar
 
 
 def test_probe_samples_are_held_out_from_training():
-    from pipeline.train.data import SampleRef, split_eval
+    from pipeline.store.reader import SampleRef
+    from pipeline.train.data import split_eval
 
     ids = [f"sample-{i}" for i in range(400)]
     refs = [SampleRef("s", 0, i, 10, sid) for i, sid in enumerate(ids)]

@@ -143,7 +143,7 @@ def test_ray_up_cluster_yaml():
 def test_deepspeed_configs_are_accepted_by_deepspeed(path, tiny_target, tmp_path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from pipeline.train.loop import ds_config
+    from pipeline.train.trainer import ds_config
 
     extra = json.loads(path.read_text())
     stage = extra["zero_optimization"]["stage"]

@@ -11,6 +11,7 @@ from pipeline.draft.model import DraftConfig, Eagle3Draft, init_weights
 from pipeline.registry.registry import PromotionRefused, Registry
 from pipeline.registry.store import LocalStore, S3Store
 from schemas.capture import CapturePoint as C
+from schemas.config import S3Config
 from schemas.identity import TargetIdentity
 from schemas.registry import ServingConfig, ValidationRecord
 
@@ -40,7 +41,7 @@ def registry(request, tmp_path):
     if request.param == "local":
         return Registry(LocalStore(tmp_path / "registry"))
     s3 = request.getfixturevalue("s3_server")
-    return Registry(S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", s3["endpoint"]))
+    return Registry(S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", S3Config(endpoint_url=s3["endpoint"])))
 
 
 def test_promotion_requires_a_passing_record_for_the_channel_serving_config(registry, tmp_path):
@@ -132,7 +133,7 @@ def test_artifacts_are_content_addressed_and_checked(registry, tmp_path):
 
 @pytest.mark.s3
 def test_no_credentials_in_registry_objects(s3_server, tmp_path):
-    reg = Registry(S3Store(f"s3://{s3_server['bucket']}/registry-creds", s3_server["endpoint"]))
+    reg = Registry(S3Store(f"s3://{s3_server['bucket']}/registry-creds", S3Config(endpoint_url=s3_server["endpoint"])))
     d, digest = artifact(tmp_path, 4)
     reg.add_artifact(d)
     reg.create_channel("production", SERVING)

@@ -18,6 +18,7 @@ from pipeline.registry.store import LocalStore, open_store
 from pipeline.retrain import versions
 from pipeline.retrain.job import parse_every, run_retrain
 from pipeline.store.reader import DatasetReader, load_manifest
+from schemas.config import S3Config
 from schemas.retrain import RetrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,7 +196,7 @@ def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_pat
 def test_lease_one_winner_expiry_and_release(backend, tmp_path, request):
     if backend == "s3":
         srv = request.getfixturevalue("s3_server")
-        store = open_store(f"s3://{srv['bucket']}/lease-{time.time_ns()}", srv["endpoint"])
+        store = open_store(f"s3://{srv['bucket']}/lease-{time.time_ns()}", S3Config(endpoint_url=srv["endpoint"]))
     else:
         store = LocalStore(tmp_path / "reg")
     winners, losers = [], []

@@ -15,7 +15,7 @@ from pipeline.identity import target_identity
 from pipeline.store.encoding import split_planes
 from pipeline.store.fs import resolve
 from pipeline.store.reader import DatasetReader, ProvenanceMismatch, ShardCorrupt
-from pipeline.store.writer import CapturedBatch, SampleMeta, ShardWriter
+from pipeline.store.writer import SampleMeta, ShardWriter
 from schemas.capture import CapturePoint as C
 from schemas.config import ExtractConfig
 from schemas.dataset import META_CODEC, META_PROVENANCE, dataset_schema
@@ -96,7 +96,7 @@ def test_bf16_compresses_below_072(tiny_target, tmp_path):
     fs, path = resolve(str(tmp_path / "s.parquet"))
     w = ShardWriter(fs, path, schema)
     meta = SampleMeta("s0", "src", 0, "c", list(range(T)), [1] * T)
-    w.write([meta], CapturedBatch([T], {"layer_output:1": split_planes(x).numpy()}))
+    w.write([meta], [T], {"layer_output:1": split_planes(x).numpy()})
     nbytes, _ = w.commit()
     assert nbytes / (T * H * 2) <= 0.72
 
@@ -111,13 +111,13 @@ def test_uncommitted_shard_is_invisible(tiny_target, tmp_path):
     fs, path = resolve(str(tmp_path / "shards" / "part-00000.parquet"))
     w = ShardWriter(fs, path, schema)
     w.write([SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])],
-            CapturedBatch([2], {"layer_output:1": split_planes(torch.randn(2, 8)).numpy()}))
+            [2], {"layer_output:1": split_planes(torch.randn(2, 8)).numpy()})
     assert not (tmp_path / "shards" / "part-00000.parquet").exists()   # only a dot-temp exists
     w.abort()
     assert list((tmp_path / "shards").iterdir()) == []
     with pytest.raises(ValueError, match="expected byte planes of shape"):
         ShardWriter(fs, path, schema).write([SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])],
-                                            CapturedBatch([2], {"layer_output:1": np.zeros((4, 3, 8), np.uint8)}))
+                                            [2], {"layer_output:1": np.zeros((4, 3, 8), np.uint8)})
 
 
 def test_reader_refuses_other_target_naming_both(tiny_target, conversations, tmp_path):

@@ -4,8 +4,10 @@ crash, refusals, export, and speculative decoding with the trained draft."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,7 +21,7 @@ from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_
 from pipeline.extract.job import run_extract
 from pipeline.store.reader import ProvenanceMismatch, ShardCorrupt
 from pipeline.train.data import split_eval
-from pipeline.train.trainer import prepare, run_train
+from pipeline.train.job import prepare, run_train
 from schemas.artifact import ARTIFACT_FINGERPRINTS
 from schemas.capture import CapturePoint as C
 from schemas.config import ExtractConfig, TrainConfig
@@ -124,24 +126,46 @@ def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_t
     assert mean_len > 1.15  # a random draft: ~1.0
 
 
-def run_job(cfg: dict, tmp_path: Path, env_extra: dict, cluster: dict) -> subprocess.CompletedProcess:
+def job_command(cfg: dict, tmp_path: Path, cluster: dict) -> tuple[list[str], dict]:
     p = tmp_path / f"train-{len(list(tmp_path.iterdir()))}.yaml"
     p.write_text(json.dumps(cfg))
-    env = {**os.environ, **cluster["env"], "RAY_ADDRESS": cluster["address"], **env_extra}
-    return subprocess.run([sys.executable, "jobs/train.py", "--config", str(p)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
+    env = {**os.environ, **cluster["env"], "RAY_ADDRESS": cluster["address"]}
+    return [sys.executable, "jobs/train.py", "--config", str(p)], env
+
+
+def run_job(cfg: dict, tmp_path: Path, cluster: dict) -> subprocess.CompletedProcess:
+    cmd, env = job_command(cfg, tmp_path, cluster)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def kill_after_first_checkpoint(cfg: dict, tmp_path: Path, cluster: dict) -> int:
+    """Start the job and SIGKILL its driver (Ray then kills its Ray Train workers) as soon as a
+    checkpoint is committed; returns that checkpoint's step."""
+    cmd, env = job_command(cfg, tmp_path, cluster)
+    latest = Path(cfg["output"]) / "checkpoints" / "latest.json"
+    with open(tmp_path / "killed-job.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 900
+            while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert proc.poll() is None, f"the job ended before its first checkpoint: {proc.returncode}"
+            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return json.loads(latest.read_text())["step"]
 
 
 @pytest.mark.ray
 def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dataset, tmp_path):
     kw = dict(epochs=2, max_steps=8, checkpoint_every=4, metrics_every=2, eval_fraction=0.0)  # 5 steps per epoch
-    straight = run_job(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, {}, ray_cluster)
+    straight = run_job(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, ray_cluster)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    crashed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path,
-                      {"STRATA_FAULT_CRASH_AFTER_STEP": "6"}, ray_cluster)
-    assert crashed.returncode != 0
-    assert json.loads((tmp_path / "b/checkpoints/latest.json").read_text())["step"] == 4
-    resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, {}, ray_cluster)
+    killed_at = kill_after_first_checkpoint(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
+    assert killed_at == 4
+    resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step-000004 at step 4" in resumed.stderr + resumed.stdout
     a = json.loads((tmp_path / "a/final_metrics.json").read_text())
@@ -276,9 +300,9 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
     in step count; the loop must run every epoch's batches (it once looped forever when a later
     epoch was shorter)."""
     from pipeline.fingerprint import Fingerprints
-    from pipeline.store.reader import DatasetReader
+    from pipeline.store.reader import DatasetReader, index_samples
     from pipeline.tiny import write_conversations
-    from pipeline.train.data import index_samples, plan_epoch
+    from pipeline.train.data import plan_epoch
 
     write_conversations(tmp_path / "conv.jsonl", n=400)
     extract(tiny_target, tmp_path / "conv.jsonl", dataset := tmp_path / "ds")
@@ -312,7 +336,7 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
 def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
     """Before any step: SGLang 0.5.11 has a fixed three-slot fc, so a two-slot draft exported
     for it could never load; a newer release reads the slot count from the config."""
-    from pipeline.train.trainer import check_servable
+    from pipeline.train.job import check_servable
 
     cfg = TrainConfig.model_validate({"dataset": "unused", "target": {"path": "unused"}, "output": "unused",
                                       "export": {"engines": ["sglang"], "engine_versions": {"sglang": "0.5.11"}}})
@@ -348,3 +372,36 @@ def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny
     a = load_file(str(tmp_path / "a/checkpoints/step-000006/model.safetensors"))
     b = load_file(str(tmp_path / "b/checkpoints/step-000006/model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_partitions_match_deepspeed(stage):
+    """The one place Strata reads DeepSpeed internals: fails when a DeepSpeed release renames
+    or reshapes the ZeRO optimizer's partitions, before a checkpoint silently misses them."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from pipeline.train.checkpoint import zero_partitions
+    from pipeline.train.job import single_process_env
+
+    if not dist.is_initialized():
+        single_process_env()
+        deepspeed.init_distributed(dist_backend="gloo")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    n_params = sum(p.numel() for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={
+        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    parts = zero_partitions(engine)
+    assert all(p.dtype == torch.float32 for p in parts.fp32)
+    assert n_params <= sum(p.numel() for p in parts.fp32) < n_params + 1024  # one rank holds all, maybe padded
+    for flat in parts.fp32:
+        assert set(parts.inner.state[flat]) >= {"exp_avg", "exp_avg_sq"}
+        assert parts.inner.state[flat]["exp_avg"].shape == flat.shape
+    if stage == 3:
+        assert [p.shape for p in parts.low_precision] == [p.shape for p in parts.fp32]
+        assert all(p.dtype == torch.bfloat16 for p in parts.low_precision)
+    else:
+        assert parts.low_precision is None

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-from pipeline.draft.export import content_digest
 from pipeline.validate.job import ValidationInputError, run_validate
 from schemas.validation import ValidateConfig
 
@@ -130,7 +129,7 @@ def test_missing_nested_key_means_silent_default(run_dir, tiny_target, tmp_path)
 def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     """A slot labelled pre-norm final (r_N) whose training values really are post-norm."""
     from pipeline.fingerprint import Fingerprints
-    from schemas.artifact import ARTIFACT_FINGERPRINTS, DraftArtifactManifest
+    from schemas.artifact import ARTIFACT_FINGERPRINTS, DraftArtifactManifest, content_digest
 
     art = tmp_path / "art"
     shutil.copytree(run_dir / "export" / "vllm", art)

@@ -42,16 +42,19 @@ def model_type_of(target_config: dict) -> str:
     return mt
 
 
-def engine_family(engine: str, target_config: dict) -> str:
-    """Which model file's capture rule ``engine`` applies to this target (from its config.json)."""
+def engine_family(engine: str, target_config: dict, override: str | None = "auto") -> str:
+    """Which model file's capture rule ``engine`` applies to this target (from its config.json),
+    unless the user forced one (``override`` other than auto)."""
+    if override and override != "auto":
+        return override
     if engine not in ("vllm", "sglang"):
         return "llama"
     return releases.family_of(engine, model_type_of(target_config))  # type: ignore[arg-type]
 
 
-def sglang_family(model_type: str) -> SGLangFamily:
-    """SGLang's capture rule family for a HF ``config.model_type``."""
-    return releases.family_of("sglang", model_type)
+def hf_residual_states(hidden_states: Sequence) -> Sequence:
+    """r_0 .. r_{N-1} from HF's ``output_hidden_states`` (its last entry is post-norm, not r_N)."""
+    return hidden_states[:-1]
 
 
 # -- boundaries -------------------------------------------------------------------------

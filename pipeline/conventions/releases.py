@@ -163,6 +163,8 @@ FAMILY_OF_MODEL_TYPE: dict[Engine, dict[str, str]] = {
              "gpt_oss": "llama", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v2",
              "kimi_k2": "deepseek_v2", "kimi_k25": "deepseek_v2"},
 }
+SGLANG_FAMILIES = sorted(set(FAMILY_OF_MODEL_TYPE["sglang"].values()))
+
 # Model Runner V2 may be what vLLM picks on a GPU from this release (0.28: some models).
 V2_DEFAULT_FROM = "0.28.0"
 

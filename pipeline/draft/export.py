@@ -21,11 +21,18 @@ from pipeline import conventions
 from pipeline.conventions import releases
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
-from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
+from pipeline.dtypes import torch_dtype
+from schemas.artifact import (
+    ARTIFACT_FINGERPRINTS,
+    ARTIFACT_MANIFEST,
+    ARTIFACT_WEIGHTS,
+    DraftArtifactManifest,
+    content_digest,
+)
 from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = ARTIFACT_WEIGHTS
 
 
 class ExportError(ValueError):
@@ -92,13 +99,6 @@ def engine_config(
     return out
 
 
-def content_digest(directory: Path) -> str:
-    h = hashlib.sha256()
-    for name in (WEIGHTS, "config.json"):
-        h.update(name.encode() + b"\0" + hashlib.sha256((directory / name).read_bytes()).digest())
-    return h.hexdigest()
-
-
 def export_draft(
     model: Eagle3Draft,
     out_dir: str | Path,
@@ -134,7 +134,7 @@ def export_draft(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        tdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
+        tdtype = torch_dtype(dtype)
         sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model, engine).items()}
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg_json, indent=1))

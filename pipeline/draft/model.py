@@ -63,6 +63,12 @@ class DraftConfig:
         return asdict(self)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Llama's RMSNorm: normalise in fp32, cast back to x's dtype, then scale."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -70,8 +76,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -211,7 +216,7 @@ class Eagle3Draft(nn.Module):
             loss_i = (ce * mask).sum() / mask.numel()  # SpecForge: a mean over every position
             total = total + (decay**i) * loss_i
             draft_argmax = logits.argmax(-1)
-            hit = (draft_argmax + self.d2t[draft_argmax] == shift(target.greedy, i + 1, fill=-1)) & trained
+            hit = (draft_to_target(draft_argmax, self.d2t) == shift(target.greedy, i + 1, fill=-1)) & trained
             losses.append(loss_i.detach())
             correct.append(hit.sum().detach())
             counted.append(trained.sum().detach())
@@ -247,6 +252,16 @@ class TTTOutput:
 
     def accuracy(self) -> list[float]:
         return (self.correct.float() / self.counted.clamp(min=1).float()).tolist()
+
+
+def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """Target token ids of draft-vocab ids: ``d2t`` holds offsets (vLLM's and SGLang's format)."""
+    return draft_ids + d2t[draft_ids]
+
+
+def acceptance_length(accepted_per_step: float) -> float:
+    """Mean acceptance length: a verify step emits the accepted drafts plus one target token."""
+    return 1.0 + accepted_per_step
 
 
 def simulated_acceptance_length(acc: list[float]) -> float:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.draft.model import Eagle3Draft, shift
+from pipeline.conventions.hf_hooks import decoder_parts, hook_capture_point
+from pipeline.draft.model import Eagle3Draft, acceptance_length, draft_to_target, shift
 from schemas.capture import CapturePoint
 
 
@@ -35,15 +36,13 @@ class SpecResult:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verify step: accepted draft tokens + the target's own token."""
-        return 1.0 + self.accepted_tokens / max(self.verify_steps, 1)
+        return acceptance_length(self.accepted_tokens / max(self.verify_steps, 1))
 
 
 class TargetRunner:
     """An HF causal LM with hooks on the draft's aux capture points."""
 
     def __init__(self, model, aux_points: list[CapturePoint]):
-        from pipeline.engines.hf import decoder_parts, hook_capture_point
-
         self.model = model.eval()
         _, layers, norm = decoder_parts(model)
         self._store: dict[int, torch.Tensor] = {}
@@ -76,7 +75,7 @@ def draft_chain(draft: Eagle3Draft, aux: torch.Tensor, next_tokens: torch.Tensor
     for i in range(k):
         h = draft.step(tokens, h, pos + i, ks, vs)
         d = int(draft.logits(h[:, -1]).argmax(-1))
-        t = d + int(draft.d2t[d])
+        t = int(draft_to_target(torch.tensor(d), draft.d2t))
         out.append(t)
         tokens = shift(next_tokens, i + 1, fill=0)
         tokens[:, -1] = t  # only the last position's chain matters from step 1 on

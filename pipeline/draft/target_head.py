@@ -3,13 +3,13 @@ instantiating the target, to turn stored final states into target distributions.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from pipeline.draft.model import TargetBatch
+from pipeline.draft.model import TargetBatch, rms_norm
+from pipeline.identity import target_config, text_config
 
 _LM_HEAD_NAMES = ("lm_head.weight",)
 _EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "model.language_model.embed_tokens.weight")
@@ -32,24 +32,18 @@ def load_embedding(model_dir: str | Path) -> torch.Tensor:
     return _find_tensor(Path(model_dir), _EMBED_NAMES)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Llama's final RMSNorm, in fp32."""
-    x = x.float()
-    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 def load_final_norm(model_dir: str | Path):
     """The target's final norm as a function, for stores and engines that hold pre-norm r_N."""
     root = Path(model_dir)
-    cfg = json.loads((root / "config.json").read_text())
+    cfg = text_config(target_config(root))
     weight, eps = _find_tensor(root, _NORM_NAMES).float(), float(cfg.get("rms_norm_eps", 1e-5))
-    return lambda r_n: rms_norm(r_n, weight.to(r_n.device), eps)
+    return lambda r_n: rms_norm(r_n.float(), weight.to(r_n.device), eps)  # in fp32
 
 
 class TargetHead:
     def __init__(self, model_dir: str | Path, needs_norm: bool = False):
         root = Path(model_dir)
-        cfg = json.loads((root / "config.json").read_text())
+        cfg = text_config(target_config(root))
         tied = cfg.get("tie_word_embeddings", False)
         self.weight = _find_tensor(root, _EMBED_NAMES if tied else _LM_HEAD_NAMES).float()
         self.norm_weight = _find_tensor(root, _NORM_NAMES).float() if needs_norm else None

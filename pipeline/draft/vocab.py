@@ -32,10 +32,6 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     return ids, d2t, t2d
 
 
-def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    return draft_ids + d2t[draft_ids]
-
-
 def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Draft id of each target id (-1 where the token is not in the draft vocab)."""
     index = torch.cumsum(t2d.long(), 0) - 1

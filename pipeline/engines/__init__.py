@@ -6,7 +6,10 @@ engine names a point natively (for provenance) without starting it.
 
 from __future__ import annotations
 
+from pipeline import conventions
 from pipeline.engines.base import TargetEngine
+from pipeline.engines.hf import HFEngine, hf_engine_ref
+from pipeline.identity import target_config
 from schemas.capture import CapturePoint
 from schemas.config import ExtractConfig
 from schemas.provenance import EngineRef
@@ -14,21 +17,16 @@ from schemas.provenance import EngineRef
 
 def engine_ref(cfg: ExtractConfig, point: CapturePoint, num_layers: int) -> EngineRef:
     e = cfg.engine
+    tcfg = target_config(cfg.target.path)
     if e.name == "vllm":
-        import json
-        from pathlib import Path
-
-        from pipeline import conventions
         from pipeline.engines.vllm_engine import vllm_engine_ref
 
-        tcfg = json.loads((Path(cfg.target.path) / "config.json").read_text())
         return vllm_engine_ref(point, num_layers, e.tp_size, conventions.engine_family("vllm", tcfg))
     if e.name == "sglang":
-        from pipeline.engines.sglang_engine import family_for, sglang_engine_ref
+        from pipeline.engines.sglang_engine import sglang_engine_ref
 
         version = installed_version("sglang") or "not installed"
-        return sglang_engine_ref(point, num_layers, family_for(cfg.target.path), version, e.tp_size)
-    from pipeline.engines.hf import hf_engine_ref
+        return sglang_engine_ref(point, num_layers, conventions.engine_family("sglang", tcfg), version, e.tp_size)
 
     return hf_engine_ref(point, num_layers)
 
@@ -61,6 +59,5 @@ def open_engine(cfg: ExtractConfig) -> TargetEngine:
         from pipeline.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(cfg.target.path, cfg.capture, e.dtype, e.tp_size, batch_tokens=e.batch_tokens)
-    from pipeline.engines.hf import HFEngine
 
     return HFEngine(cfg.target.path, cfg.capture, e.dtype, e.device, e.attn_implementation, e.batch_tokens)

@@ -14,12 +14,24 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from pipeline.store.encoding import TORCH_DTYPES, split_planes
-from pipeline.store.writer import CapturedBatch
+from pipeline.draft.model import acceptance_length
+from pipeline.dtypes import torch_dtype
+from pipeline.engines.errors import EngineUnavailable
+from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
+
+
+@dataclass
+class CapturedBatch:
+    """An engine's host-side output for a batch: tokens of all samples packed end to end
+    (what the extraction writer stores)."""
+
+    lengths: list[int]
+    planes: dict[str, np.ndarray]   # capture point -> [B, sum(lengths), H] uint8 byte planes
 
 
 @dataclass
@@ -116,8 +128,6 @@ class TargetEngine(ABC):
                      k: int) -> DecodeTiming:
         """Greedy decoding timed per prompt, without speculation (``draft_dir`` None) or with the
         draft as configured in ``draft_dir``. Engines that cannot be timed here say so."""
-        from pipeline.engines.errors import EngineUnavailable
-
         raise EngineUnavailable(f"{self.name} does not time decoding here")
 
     def release_draft(self, draft_dir: str | Path) -> None:  # noqa: B027 - optional: engines without a pool
@@ -143,14 +153,14 @@ def acceptance(measured_by: str, k: int, verify_steps: int, accepted_per_pos: li
     steps = max(verify_steps, 1)
     accepted = sum(accepted_per_pos) if accepted is None else accepted
     return {"measured_by": measured_by, "verify_steps": verify_steps, "accepted_per_step": accepted / steps,
-            "mean_acceptance_length": 1.0 + accepted / steps, "k": k,
+            "mean_acceptance_length": acceptance_length(accepted / steps), "k": k,
             "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
             **extra}
 
 
 def captured_batch(per_point: dict[str, list[torch.Tensor]], dtype: str) -> CapturedBatch:
     """Per point, one [T, H] tensor per sequence -> host byte planes in batch order."""
-    planes = {k: split_planes(torch.cat(v).to(TORCH_DTYPES[dtype]).contiguous()).numpy() for k, v in per_point.items()}
+    planes = {k: split_planes(torch.cat(v).to(torch_dtype(dtype)).contiguous()).numpy() for k, v in per_point.items()}
     return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes)
 
 

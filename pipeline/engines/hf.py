@@ -14,25 +14,22 @@ import torch
 import transformers
 
 from pipeline import conventions
-from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
-from pipeline.store.encoding import TORCH_DTYPES, split_planes
-from pipeline.store.writer import CapturedBatch
+from pipeline.conventions.hf_hooks import decoder_parts, hook_capture_point
+from pipeline.draft.export import load_draft
+from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
+from pipeline.dtypes import torch_dtype
+from pipeline.engines.base import (
+    CapturedBatch,
+    ServeResult,
+    TargetEngine,
+    acceptance,
+    plan_by_tokens,
+)
+from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
-
-
-def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.Module]:
-    base = getattr(model, "model", None) or model.base_model
-    layers = getattr(base, "layers", None)
-    norm = getattr(base, "norm", None)
-    if layers is None or norm is None:
-        raise TypeError(
-            f"{type(model).__name__}: cannot find decoder layers and final norm (expected .model.layers "
-            "and .model.norm, as in Llama/Qwen/Mistral); add this architecture to pipeline/engines/hf.py"
-        )
-    return base, layers, norm
 
 
 def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
@@ -44,28 +41,6 @@ def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
         native_id_convention=conventions.native_id_convention("hf"),
         tp_size=1,
     )
-
-
-def hook_capture_point(
-    layers: torch.nn.ModuleList, norm: torch.nn.Module, point: CapturePoint, store: dict, key,
-):
-    """Register the forward hook that puts ``point`` into ``store[key]`` on every forward."""
-    n = len(layers)
-
-    def save_output(_mod, _args, out):
-        store[key] = out[0] if isinstance(out, tuple) else out
-
-    def save_input(_mod, args, kwargs):
-        store[key] = args[0] if args else kwargs["hidden_states"]
-
-    k = point.validate_for(n).boundary(n)
-    if k is None:  # final post-norm: what the LM head reads
-        return norm.register_forward_hook(save_output)
-    if k == n:     # r_N: the final norm's input
-        return norm.register_forward_pre_hook(save_input, with_kwargs=True)
-    if k == 0:     # r_0: what enters layer 0 (after any embedding scaling)
-        return layers[0].register_forward_pre_hook(save_input, with_kwargs=True)
-    return layers[k - 1].register_forward_hook(save_output)  # r_k = o_{k-1}: output of layer k-1
 
 
 class HFEngine(TargetEngine):
@@ -93,7 +68,7 @@ class HFEngine(TargetEngine):
         multi_gpu = self.device.type == "cuda" and torch.cuda.device_count() > 1
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir),
-            dtype=TORCH_DTYPES[dtype],
+            dtype=torch_dtype(dtype),
             attn_implementation=attn_implementation,
             local_files_only=True,
             device_map="auto" if multi_gpu else None,
@@ -151,7 +126,7 @@ class HFEngine(TargetEngine):
             key = str(p)
             t = self._captured.pop(key)
             devices.add(t.device)
-            packed = t[valid.to(t.device)].to(TORCH_DTYPES[self.dtype])  # [sum T, H], batch order
+            packed = t[valid.to(t.device)].to(torch_dtype(self.dtype))  # [sum T, H], batch order
             dev_planes = split_planes(packed)                       # [B, sum T, H] uint8
             if on_gpu:
                 host = torch.empty(dev_planes.shape, dtype=torch.uint8, pin_memory=True)
@@ -179,18 +154,13 @@ class HFEngine(TargetEngine):
         return out
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        from pipeline.draft.speculate import greedy_generate
-
         return [greedy_generate(self.model, p, max_new_tokens) for p in prompts]
 
     def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
         """Strata's reference speculative decoding; HF has no reading rules, so it feeds ``feed_points``."""
-        from pipeline.draft.export import load_draft
-        from pipeline.draft.speculate import TargetRunner, speculative_generate
-
         if not feed_points:
             raise ValueError("the HF engine serves a draft with the points it is told to feed: pass feed_points")
-        draft = load_draft(draft_dir, self.model_dir, dtype=TORCH_DTYPES[self.dtype])
+        draft = load_draft(draft_dir, self.model_dir, dtype=torch_dtype(self.dtype))
         runner = TargetRunner(self.model, feed_points)
         try:
             per_pos, steps, outs = [0] * k, 0, []

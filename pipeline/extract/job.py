@@ -16,9 +16,11 @@ import pyarrow as pa
 from tqdm import tqdm
 
 import pipeline
+from pipeline import fingerprint
+from pipeline.cluster import init_ray
 from pipeline.conventions import boundary_label
 from pipeline.data.source import scan_source
-from pipeline.engines import engine_ref
+from pipeline.engines import engine_ref, open_engine
 from pipeline.extract import layout
 from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
@@ -151,7 +153,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
             return m
         raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
     # One job per output at a time: a second one started on it refuses instead of racing.
-    lease = Lease(open_store(cfg.output.uri, cfg.s3.endpoint_url), "extract", ttl_s=LEASE_TTL_S)
+    lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)
     try:
         lease.acquire()
     except LeaseHeld as e:
@@ -222,8 +224,6 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
 
 def fingerprint_dataset(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
     """Fingerprint probe samples from the committed shards (the values training will read)."""
-    from pipeline import fingerprint
-
     t0 = time.perf_counter()
     reader = DatasetReader(cfg.output.uri, cfg.s3, verify_checksums=False, manifest=manifest)
     fp = fingerprint.compute(reader, cfg.fingerprint.probe_samples, cfg.fingerprint.dim, cfg.fingerprint.seed)
@@ -244,7 +244,6 @@ def _cleanup_tmp(fs, root: str) -> None:
 def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
     import ray
 
-    from pipeline.cluster import init_ray
 
     init_ray(cfg.ray.address)
     cfg_json = cfg.model_dump_json()
@@ -289,8 +288,6 @@ class CaptureActor:
     """Ray Data actor: loads the engine once, then commits one unit per call."""
 
     def __init__(self, cfg_json: str, schema: pa.Schema):
-        from pipeline.engines import open_engine
-
         cfg = ExtractConfig.model_validate_json(cfg_json)
         engine = open_engine(cfg)
         self.engine = engine

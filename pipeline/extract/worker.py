@@ -16,9 +16,10 @@ from functools import lru_cache
 
 from pipeline.data.chat import ChatEncoder
 from pipeline.data.conversations import BadRow, parse_row
+from pipeline.engines.base import CapturedBatch
 from pipeline.extract import layout
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
-from pipeline.store.writer import CapturedBatch, SampleMeta, ShardWriter
+from pipeline.store.writer import SampleMeta, ShardWriter
 from schemas.config import ExtractConfig
 from schemas.manifest import ShardRecord
 
@@ -144,7 +145,7 @@ class UnitWriter:
             for idx in self.engine.plan_batches(lengths):
                 metas = [tu.samples[i] for i in idx]
                 batch: CapturedBatch = self.engine.capture([m.input_ids for m in metas])
-                q.put((metas, batch))
+                q.put((metas, batch.lengths, batch.planes))
                 if errors:
                     break
         finally:

@@ -16,6 +16,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pipeline.store.fs import atomic_write_bytes, join, read_bytes, resolve
+from pipeline.store.reader import index_samples
 
 FINGERPRINTS_FILE = "fingerprints.safetensors"
 
@@ -121,8 +122,6 @@ class Fingerprints:
 
 def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
     """Fingerprints of ``n_probe`` samples of a dataset, from the stored (trained-on) values."""
-    from pipeline.train.data import index_samples
-
     refs = {r.sample_id: r for r in index_samples(reader)}
     chosen = probe_ids(list(refs), n_probe)
     points = list(reader.points)

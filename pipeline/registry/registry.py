@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from pipeline.registry.store import ObjectStore, PreconditionFailed
-from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest, content_digest
 from schemas.registry import (
     AuditEntry,
     ChannelPointer,
@@ -113,8 +113,6 @@ class Registry:
         """Upload an exported draft under its content digest (idempotent; manifest last)."""
         d = Path(directory)
         manifest = DraftArtifactManifest.model_validate_json((d / ARTIFACT_MANIFEST).read_text())
-        from pipeline.draft.export import content_digest
-
         actual = content_digest(d)
         if actual != manifest.content_digest:
             raise ValueError(f"{d}: content digest {actual[:16]} does not match its manifest's {manifest.content_digest[:16]}")
@@ -134,8 +132,6 @@ class Registry:
 
     def fetch_artifact(self, digest: str, dest: str | Path) -> Path:
         """Download an artifact into ``dest`` (a new directory) and check its content digest."""
-        from pipeline.draft.export import content_digest
-
         check_digest(digest)
         m = self.artifact(digest)
         if m is None:

@@ -14,6 +14,8 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
+from schemas.config import S3Config
+
 
 class PreconditionFailed(RuntimeError):
     """The object changed (or appeared) since it was read."""
@@ -117,15 +119,15 @@ class LocalStore:
 class S3Store:
     """s3://bucket/prefix through boto3; S3 conditional writes (If-Match / If-None-Match)."""
 
-    def __init__(self, uri: str, endpoint_url: str | None = None, region: str = "us-east-1"):
+    def __init__(self, uri: str, s3: S3Config | None = None):
         import boto3
 
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
         # Credentials only from the environment / AWS chain; never stored anywhere.
         # A session of its own: credentials are resolved now, not cached from the first client.
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"), region_name=region)
+        s3 = s3 or S3Config()
+        self.client = boto3.session.Session().client("s3", endpoint_url=s3.endpoint(), region_name=s3.region)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -192,5 +194,5 @@ class S3Store:
         return sorted(out)
 
 
-def open_store(uri: str, endpoint_url: str | None = None) -> ObjectStore:
-    return S3Store(uri, endpoint_url) if uri.startswith("s3://") else LocalStore(uri)
+def open_store(uri: str, s3: S3Config | None = None) -> ObjectStore:
+    return S3Store(uri, s3) if uri.startswith("s3://") else LocalStore(uri)

@@ -26,7 +26,10 @@ from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.registry import PromotionRefused, Registry
 from pipeline.registry.store import open_store
 from pipeline.retrain import versions
+from pipeline.store.fs import list_files, read_bytes, resolve
 from pipeline.store.reader import load_manifest
+from pipeline.train.job import run_train
+from pipeline.validate.job import run_validate
 from schemas.retrain import RetrainConfig, RunRecord
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ def _completed_runs(reg: Registry, cfg: RetrainConfig) -> list[dict]:
 
 def run_retrain(cfg: RetrainConfig, progress: bool = True) -> RunRecord:
     """One idempotent pass. Raises LeaseHeld when another scheduler is running."""
-    reg = Registry(open_store(cfg.registry, cfg.s3.endpoint_url))
+    reg = Registry(open_store(cfg.registry, cfg.s3))
     spec = reg.channel_spec(cfg.channel)
     if spec is None:
         raise RetrainError(f"channel {cfg.channel!r} does not exist in {cfg.registry}: create it with "
@@ -109,12 +112,10 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
             if wanted is None or wanted == [str(p) for p in current.aux_capture_points]:
                 init_from = str(reg.fetch_artifact(current.content_digest, Path(tmp) / "start"))
                 rec.warm_start_from = current.content_digest
-        from pipeline.train.trainer import run_train
 
         run_train(cfg.train_config(uri, out, init_from), use_ray=cfg.use_ray)
     rec.trained = True
     artifact = _local_artifact(out, spec.serving.engine, cfg)
-    from pipeline.validate.job import run_validate
 
     try:
         report = run_validate(cfg.validate_config(str(artifact)))
@@ -145,7 +146,6 @@ def _local_artifact(run_out: str, engine: str, cfg: RetrainConfig) -> Path:
     """The exported draft for the channel's engine, as a local directory (validation reads it)."""
     if not run_out.startswith("s3://"):
         return Path(run_out) / "export" / engine
-    from pipeline.store.fs import list_files, read_bytes, resolve
 
     fs, root = resolve(posixpath.join(run_out, "export", engine), cfg.s3)
     dest = Path(tempfile.mkdtemp(prefix="strata-artifact-"))

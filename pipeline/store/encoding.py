@@ -15,12 +15,13 @@ import numpy as np
 import torch
 import zstandard
 
+from pipeline.dtypes import torch_dtype
+
 # Small hash table + min match 7: little time spent looking for matches that hidden-state
 # bytes do not have; ~2.5x faster than zstd level 1 here at a slightly better ratio.
 _ZSTD_PARAMS = dict(window_log=17, chain_log=6, hash_log=8, search_log=1, min_match=7, target_length=0)
 _local = threading.local()
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _BITS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
@@ -64,4 +65,4 @@ def join_planes(planes: list[np.ndarray]) -> np.ndarray:
 
 def bits_to_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(bits.view(np.int16 if bits.itemsize == 2 else np.int32))
-    return t.view(TORCH_DTYPES[dtype])
+    return t.view(torch_dtype(dtype))

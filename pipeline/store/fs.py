@@ -14,14 +14,17 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from schemas.config import S3Config
+
 
 def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def s3_filesystem(endpoint_url: str | None = None, region: str = "us-east-1") -> pafs.S3FileSystem:
-    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-    kwargs: dict = {"region": region}
+def s3_filesystem(s3: S3Config | None = None) -> pafs.S3FileSystem:
+    s3 = s3 or S3Config()
+    endpoint = s3.endpoint()
+    kwargs: dict = {"region": s3.region}
     if endpoint:
         scheme, _, host = endpoint.partition("://")
         kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
@@ -33,12 +36,10 @@ def s3_filesystem(endpoint_url: str | None = None, region: str = "us-east-1") ->
     return pafs.S3FileSystem(**kwargs)
 
 
-def resolve(uri: str, s3: object | None = None) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path) for a local path or s3://bucket/key; ``s3`` is an S3Config."""
+def resolve(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) for a local path or s3://bucket/key."""
     if is_s3(uri):
-        endpoint = getattr(s3, "endpoint_url", None)
-        region = getattr(s3, "region", "us-east-1")
-        return s3_filesystem(endpoint, region), uri.removeprefix("s3://").rstrip("/")
+        return s3_filesystem(s3), uri.removeprefix("s3://").rstrip("/")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
 
 

@@ -18,7 +18,7 @@ import torch
 from pipeline.store.encoding import bits_to_torch, decompress_plane, join_planes
 from pipeline.store.fs import exists, join, read_bytes, resolve
 from schemas.capture import CapturePoint, parse_points
-from schemas.dataset import META_CODEC, provenances_from_schema
+from schemas.dataset import META_CODEC, plane_column, provenances_from_schema
 from schemas.identity import TargetIdentity
 from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord
 from schemas.provenance import DTYPE_BYTES, TensorProvenance
@@ -110,7 +110,7 @@ class DatasetReader:
                 )
         columns = ["sample_id", "source_row", "input_ids", "loss_mask", "num_tokens"]
         for p in self.points:
-            columns += [f"{p}#b{k}" for k in range(DTYPE_BYTES[self._prov[p].dtype])]
+            columns += [plane_column(p, k) for k in range(DTYPE_BYTES[self._prov[p].dtype])]
         pf = pq.ParquetFile(pa.BufferReader(blob))
         self._check_shard_provenance(shard.path, provenances_from_schema(pf.schema_arrow))
         return pf.read(columns=columns)
@@ -153,7 +153,7 @@ class DatasetReader:
     def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:
         """One row group, without re-hashing the shard (call verify_all first)."""
         cols = columns or ["sample_id", "input_ids", "loss_mask", "num_tokens"] + [
-            f"{p}#b{k}" for p in self.points for k in range(DTYPE_BYTES[self._prov[p].dtype])
+            plane_column(p, k) for p in self.points for k in range(DTYPE_BYTES[self._prov[p].dtype])
         ]
         with self.fs.open_input_file(join(self.root, shard_path)) as f:
             return pq.ParquetFile(f).read_row_group(row_group, columns=cols)
@@ -165,9 +165,9 @@ class DatasetReader:
         t = table.column("num_tokens")[i].as_py()
         planes = []
         for k in range(b):
-            col = table.column(f"{point}#b{k}")
+            col = table.column(plane_column(point, k))
             cell = col[i].as_buffer()
-            codec = table.schema.field(f"{point}#b{k}").metadata[META_CODEC]
+            codec = table.schema.field(plane_column(point, k)).metadata[META_CODEC]
             data = decompress_plane(cell, t * h) if codec == b"zstd" else cell
             planes.append(np.frombuffer(data, np.uint8).reshape(t, h))
         return bits_to_torch(join_planes(planes), prov.dtype)
@@ -183,3 +183,27 @@ class DatasetReader:
                     loss_mask=torch.from_numpy(masks[i].values.to_numpy().astype(bool)),
                     tensors={p: self.decode(table, i, p) for p in self.points},
                 )
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample lives in a dataset (training plans and fingerprints address samples by it)."""
+
+    shard: str
+    row_group: int
+    row: int
+    tokens: int
+    sample_id: str
+
+
+def index_samples(reader: DatasetReader) -> list[SampleRef]:
+    """Every sample of the dataset, in shard and row order, without reading tensors."""
+    refs = []
+    for shard in reader.shards:
+        with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
+            pf = pq.ParquetFile(f)
+            for rg in range(pf.num_row_groups):
+                t = pf.read_row_group(rg, columns=["sample_id", "num_tokens"])
+                for i, (sid, n) in enumerate(zip(t["sample_id"].to_pylist(), t["num_tokens"].to_pylist(), strict=True)):
+                    refs.append(SampleRef(shard.path, rg, i, n, sid))
+    return refs

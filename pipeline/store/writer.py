@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from pipeline.store.encoding import compress_plane
 from pipeline.store.fs import publish_local_file
-from schemas.dataset import BOOKKEEPING_FIELDS, META_CODEC, provenances_from_schema
+from schemas.dataset import BOOKKEEPING_FIELDS, META_CODEC, plane_column, provenances_from_schema
 from schemas.provenance import DTYPE_BYTES
 
 
@@ -33,14 +33,6 @@ class SampleMeta:
     content_sha256: str
     input_ids: list[int]
     loss_mask: list[int]
-
-
-@dataclass
-class CapturedBatch:
-    """An engine's host-side output for a batch: tokens of all samples packed end to end."""
-
-    lengths: list[int]
-    planes: dict[str, np.ndarray]   # capture point -> [B, sum(lengths), H] uint8 byte planes
 
 
 class _HashingFile:
@@ -103,11 +95,12 @@ class ShardWriter:
         self.rows = 0
         self.tokens = 0
 
-    def write(self, metas: list[SampleMeta], batch: CapturedBatch) -> None:
-        """Append one row group: ``metas[i]`` describes the i-th packed sample of ``batch``."""
-        if len(metas) != len(batch.lengths):
-            raise ValueError(f"{len(metas)} sample records for a batch of {len(batch.lengths)} samples")
-        for m, n in zip(metas, batch.lengths, strict=True):
+    def write(self, metas: list[SampleMeta], lengths: list[int], planes: dict[str, np.ndarray]) -> None:
+        """Append one row group: ``metas[i]`` describes the i-th of the samples packed end to end in
+        ``planes`` (capture point -> [B, sum(lengths), H] uint8 byte planes), ``lengths[i]`` tokens long."""
+        if len(metas) != len(lengths):
+            raise ValueError(f"{len(metas)} sample records for a batch of {len(lengths)} samples")
+        for m, n in zip(metas, lengths, strict=True):
             if len(m.input_ids) != n:
                 raise ValueError(f"sample {m.sample_id}: {len(m.input_ids)} input ids but {n} captured tokens")
         cols: dict[str, pa.Array] = {
@@ -117,24 +110,24 @@ class ShardWriter:
             "content_sha256": pa.array([m.content_sha256 for m in metas], pa.string()),
             "input_ids": pa.array([m.input_ids for m in metas], pa.list_(pa.int32())),
             "loss_mask": pa.array([m.loss_mask for m in metas], pa.list_(pa.uint8())),
-            "num_tokens": pa.array(batch.lengths, pa.int32()),
+            "num_tokens": pa.array(lengths, pa.int32()),
         }
-        token_offsets = np.concatenate([[0], np.cumsum(batch.lengths)]).astype(np.int64)
+        token_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         for prov in self._provs:
             point = str(prov.capture_point)
-            planes = batch.planes.get(point)
-            if planes is None:
+            point_planes = planes.get(point)
+            if point_planes is None:
                 raise ValueError(f"batch has no tensor for capture point {point}")
             b, h = DTYPE_BYTES[prov.dtype], prov.hidden_size
-            if planes.shape != (b, int(token_offsets[-1]), h) or planes.dtype != np.uint8:
+            if point_planes.shape != (b, int(token_offsets[-1]), h) or point_planes.dtype != np.uint8:
                 raise ValueError(
                     f"{point}: expected byte planes of shape {(b, int(token_offsets[-1]), h)} uint8, "
-                    f"got {planes.shape} {planes.dtype}"
+                    f"got {point_planes.shape} {point_planes.dtype}"
                 )
             for k in range(b):
-                name = f"{point}#b{k}"
+                name = plane_column(point, k)
                 field = self.schema.field(name)
-                cols[name] = self._plane_array(planes[k], token_offsets, h, field.metadata[META_CODEC])
+                cols[name] = self._plane_array(point_planes[k], token_offsets, h, field.metadata[META_CODEC])
         table = pa.Table.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
         self._writer.write_table(table, row_group_size=len(metas))
         self.rows += len(metas)

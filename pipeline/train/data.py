@@ -17,33 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
-from pipeline.store.fs import join
-from pipeline.store.reader import DatasetReader
+from pipeline.store.reader import DatasetReader, SampleRef
 from schemas.capture import CapturePoint
-
-
-@dataclass(frozen=True)
-class SampleRef:
-    shard: str
-    row_group: int
-    row: int
-    tokens: int
-    sample_id: str
-
-
-def index_samples(reader: DatasetReader) -> list[SampleRef]:
-    refs = []
-    for shard in reader.shards:
-        with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
-            pf = pq.ParquetFile(f)
-            for rg in range(pf.num_row_groups):
-                t = pf.read_row_group(rg, columns=["sample_id", "num_tokens"])
-                for i, (sid, n) in enumerate(zip(t["sample_id"].to_pylist(), t["num_tokens"].to_pylist(), strict=True)):
-                    refs.append(SampleRef(shard.path, rg, i, n, sid))
-    return refs
 
 
 def split_eval(refs: list[SampleRef], fraction: float, always: frozenset[str] = frozenset()

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import tempfile
-from pathlib import Path
 
 from safetensors.torch import load as st_load
 
@@ -15,7 +14,7 @@ from pipeline import conventions
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
-from pipeline.identity import target_identity
+from pipeline.identity import target_config, target_identity
 from pipeline.store.fs import exists, join, publish_local_file, read_bytes, resolve
 from pipeline.store.reader import load_manifest
 from pipeline.train import checkpoint
@@ -24,18 +23,18 @@ from schemas.config import TrainConfig
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "run.json"  # the run's plan without its sample lists (written by trainer.prepare)
+RUN_FILE = "run.json"  # the run's plan without its sample lists (written by job.prepare)
 
 
-def export_family(cfg: TrainConfig, engine: str, target_cfg: dict, sglang_family: str | None = None) -> str:
+def export_family(cfg: TrainConfig, engine: str, target_cfg: dict, override: str | None = None) -> str:
     """The capture-rule family an export for ``engine`` is written for (SGLang's can be forced)."""
-    family = (sglang_family or cfg.export.sglang_family) if engine == "sglang" else "auto"
-    return conventions.engine_family(engine, target_cfg) if family == "auto" else family
+    forced = (override or cfg.export.engine_family) if engine == "sglang" else "auto"
+    return conventions.engine_family(engine, target_cfg, forced)
 
 
 
 def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri: str | None = None,
-               sglang_family: str | None = None, dtype: str | None = None) -> list[dict]:
+               engine_family: str | None = None, dtype: str | None = None) -> list[dict]:
     """Export the latest checkpoint of a training run for each serving engine.
 
     Writes ``<dest>/<engine>/`` (default dest: ``<run>/export``); the aux ids come from the
@@ -59,7 +58,7 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     metrics_path = join(root, "final_metrics.json")
     metrics = json.loads(read_bytes(fs, metrics_path)) if exists(fs, metrics_path) else {}
-    target_cfg = json.loads(Path(cfg.target.path, "config.json").read_text())
+    target_cfg = target_config(cfg.target.path)
     dfs, droot = resolve(dest_uri, s3) if dest_uri else (fs, join(root, "export"))
     fingerprints = None
     ds_manifest = load_manifest(cfg.dataset, cfg.s3)
@@ -69,7 +68,7 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     out = []
     with tempfile.TemporaryDirectory(prefix="strata-export-") as tmp:  # staged, then published
         for engine in engines or cfg.export.engines:
-            family = export_family(cfg, engine, target_cfg, sglang_family)
+            family = export_family(cfg, engine, target_cfg, engine_family)
             dest = os.path.join(tmp, engine)
             m = export_draft(
                 model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,

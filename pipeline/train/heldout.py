@@ -14,7 +14,15 @@ import logging
 import tempfile
 from pathlib import Path
 
+from pipeline.cluster import init_ray
 from pipeline.draft.model import simulated_acceptance_length
+from pipeline.engines.hf import HFEngine
+from pipeline.fingerprint import Fingerprints
+from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.store.reader import load_manifest
+from pipeline.train.export import export_run
+from pipeline.train.loop import FINAL_METRICS
+from pipeline.train.metrics import METRICS_FILE
 from schemas.capture import CapturePoint
 from schemas.config import TrainConfig
 
@@ -26,18 +34,12 @@ def measure(cfg: TrainConfig, aux: list[str], eval_acc: list[float]) -> dict:
     on the held-out prompts; ``predicted_accepted_per_step`` is the same quantity from eval
     accuracy. Reads the run from ``cfg.output``, so it runs wherever the workers can."""
     with tempfile.TemporaryDirectory(prefix="strata-heldout-") as tmp:
-        from pipeline.train.export import export_run
-
         engine = cfg.export.engines[0]
         export_run(cfg.output, cfg.s3, engines=[engine], dest_uri=tmp)
         return _measure(cfg, Path(tmp) / engine, aux, eval_acc)
 
 
 def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[float]) -> dict:
-    from pipeline.engines.hf import HFEngine
-    from pipeline.fingerprint import Fingerprints
-    from pipeline.store.reader import load_manifest
-
     h = cfg.heldout_acceptance
     manifest = load_manifest(cfg.dataset, cfg.s3)
     if not manifest.fingerprints:
@@ -63,15 +65,11 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
 def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool) -> dict:
     """Measure (as a Ray task with ``use_ray``) and add the result to ``metrics.jsonl`` and
     ``final_metrics.json``, which the export then carries into every artifact."""
-    from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
-
     if cfg.heldout_acceptance.prompts == 0:
         return {"skipped": "heldout_acceptance.prompts = 0"}
     eval_acc = (metrics.get("eval") or {}).get("acc_per_pos") or []
     if use_ray:  # on a worker with the resources the target needs, not on the driver
         import ray
-
-        from pipeline.cluster import init_ray
 
         init_ray(cfg.ray_address)
         task = ray.remote(num_cpus=1, num_gpus=1 if cfg.use_gpu else 0)(measure)
@@ -85,9 +83,9 @@ def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray:
                  result["mean_acceptance_length"], [round(a, 2) for a in result["acceptance_per_pos"]],
                  result["predicted_accepted_per_step"] or float("nan"), result["accepted_per_step"])
     fs, root = resolve(cfg.output, cfg.s3)
-    lines = read_bytes(fs, join(root, "metrics.jsonl")).decode() if exists(fs, join(root, "metrics.jsonl")) else ""
+    lines = read_bytes(fs, join(root, METRICS_FILE)).decode() if exists(fs, join(root, METRICS_FILE)) else ""
     lines = "".join(ln + "\n" for ln in lines.splitlines() if json.loads(ln).get("kind") != "heldout_acceptance")
-    atomic_write_bytes(fs, join(root, "metrics.jsonl"), (lines + json.dumps(result) + "\n").encode())
+    atomic_write_bytes(fs, join(root, METRICS_FILE), (lines + json.dumps(result) + "\n").encode())
     metrics["heldout_acceptance"] = result
-    atomic_write_bytes(fs, join(root, "final_metrics.json"), json.dumps(metrics, indent=1).encode())
+    atomic_write_bytes(fs, join(root, FINAL_METRICS), json.dumps(metrics, indent=1).encode())
     return result

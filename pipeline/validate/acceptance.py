@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pipeline.draft.model import simulated_acceptance_length
 from pipeline.engines.base import ServeResult, TargetEngine
+from pipeline.engines.hf import HFEngine
 from pipeline.fingerprint import Fingerprints
 from schemas.artifact import DraftArtifactManifest
 from schemas.capture import CapturePoint
@@ -33,8 +34,6 @@ def predicted_accepted_per_step(manifest: DraftArtifactManifest, k: int) -> floa
 
 def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> dict:
     """Strata's reference speculative decoding (HF target + Strata's draft) fed ``fed``."""
-    from pipeline.engines.hf import HFEngine
-
     eng = HFEngine(cfg.serving.target.path, [], cfg.serving.dtype, "cpu", cfg.serving.attn_implementation)
     try:
         return serve(eng, cfg, art, ps, feed_points=fed).acceptance

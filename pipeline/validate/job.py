@@ -21,18 +21,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import conventions
-from pipeline.draft.export import content_digest
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
-from pipeline.fingerprint import Fingerprints, projection
-from pipeline.identity import target_identity
+from pipeline.fingerprint import Fingerprints, projection, sketch
+from pipeline.identity import target_config, target_identity
+from pipeline.registry.registry import Registry
+from pipeline.registry.store import open_store
 from pipeline.validate import acceptance, checks
+from pipeline.validate import feed as F
+from pipeline.validate.cost import cost_table
 from pipeline.validate.gate import check_slots, fix_hint, label
 from pipeline.validate.replay import open_replay_engine, replay
-from schemas.artifact import ARTIFACT_FINGERPRINTS, ARTIFACT_MANIFEST, DraftArtifactManifest
+from pipeline.validate.report import write_report
+from schemas.artifact import (
+    ARTIFACT_FINGERPRINTS,
+    ARTIFACT_MANIFEST,
+    DraftArtifactManifest,
+    content_digest,
+)
 from schemas.capture import CapturePoint
+from schemas.config import load_config
 from schemas.identity import TargetIdentity
-from schemas.registry import ServingConfig
+from schemas.registry import ServingConfig, ValidationRecord
 from schemas.validation import SlotCheck, ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
@@ -43,10 +53,8 @@ class ValidationInputError(ValueError):
 
 
 def _family(cfg: ValidateConfig, tcfg: dict) -> str:
-    if cfg.serving.engine_family != "auto":
-        return cfg.serving.engine_family
     try:
-        return conventions.engine_family(cfg.serving.engine, tcfg)
+        return conventions.engine_family(cfg.serving.engine, tcfg, cfg.serving.engine_family)
     except conventions.ConventionError as e:
         raise ValidationInputError(str(e)) from None
 
@@ -62,14 +70,12 @@ def serving_config(cfg: ValidateConfig, draft_cfg_bytes: bytes, target_key: str,
 
 def serving_for_channel(validate_config_path: str) -> ServingConfig:
     """The serving configuration a channel deploys with, from a validation config."""
-    from schemas.config import load_config
-
     cfg = load_config(validate_config_path, ValidateConfig)
     art = Path(cfg.artifact)
     draft_cfg_path = Path(cfg.serving.draft_config) if cfg.serving.draft_config else art / "config.json"
     ident = target_identity(cfg.serving.target.path, cfg.serving.target.name, cfg.serving.target.revision)
-    tcfg = json.loads((Path(cfg.serving.target.path) / "config.json").read_text())
-    return serving_config(cfg, draft_cfg_path.read_bytes(), ident.key, _family(cfg, tcfg))
+    family = _family(cfg, target_config(cfg.serving.target.path))
+    return serving_config(cfg, draft_cfg_path.read_bytes(), ident.key, family)
 
 
 def _load_artifact(art: Path) -> tuple[DraftArtifactManifest, Fingerprints]:
@@ -124,7 +130,7 @@ def load_case(cfg: ValidateConfig) -> Case:
     draft_cfg_path = Path(s.draft_config) if s.draft_config else art / "config.json"
     draft_cfg_bytes = draft_cfg_path.read_bytes()
     serving_id = target_identity(s.target.path, s.target.name, s.target.revision)
-    family = _family(cfg, json.loads((Path(s.target.path) / "config.json").read_text()))
+    family = _family(cfg, target_config(s.target.path))
     release = checks.serving_release(s)
     try:
         readings = checks.rule_readings(s, release, family, json.loads(draft_cfg_bytes), serving_id.num_layers)
@@ -150,8 +156,6 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         if owned:
             engine.close()
     if cfg.report_dir:
-        from pipeline.validate.report import write_report
-
         report.report_dir = cfg.report_dir
         write_report(report, case.n, Path(cfg.report_dir))
     if cfg.registry:
@@ -206,8 +210,6 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
 def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
     """The cost table for a blocked configuration, where the serving engine itself runs here
     (None when validation was not asked to run it: ``replay: hf`` or no acceptance prompts)."""
-    from pipeline.validate.cost import cost_table
-
     cfg, s = case.cfg, case.cfg.serving
     if s.replay != "engine" or cfg.acceptance_prompts == 0:
         return None
@@ -260,9 +262,6 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, engine: TargetEngine, 
                    trained: list[CapturePoint], n: int) -> tuple[list[CapturePoint | None], list[str], dict]:
     """Per slot, the boundary the engine fed (None: none matched), and the report's feed section."""
     import torch
-
-    from pipeline.fingerprint import sketch
-    from pipeline.validate import feed as F
 
     # Every residual boundary the engine captures (engines never feed post-norm states).
     keys = [str(p) for p in engine.points if p.boundary(n) is not None]
@@ -341,13 +340,7 @@ def _acceptance_reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
 
 
 def record(cfg: ValidateConfig, report: ValidationReport, sc: ServingConfig, art: Path) -> None:
-    import os
-
-    from pipeline.registry.registry import Registry
-    from pipeline.registry.store import open_store
-    from schemas.registry import ValidationRecord
-
-    reg = Registry(open_store(cfg.registry, os.environ.get("AWS_ENDPOINT_URL")))
+    reg = Registry(open_store(cfg.registry, cfg.s3))
     reg.add_artifact(art)
     reg.add_record(ValidationRecord(record_id=uuid.uuid4().hex[:12], artifact_digest=report.artifact_digest, serving=sc,
                                     decision=report.decision, reasons=report.reasons, report_uri=report.report_dir))

@@ -12,8 +12,11 @@ import torch
 
 from pipeline import conventions
 from pipeline.draft.target_head import load_final_norm
+from pipeline.engines import sglang_engine, vllm_engine
 from pipeline.engines.base import TargetEngine
+from pipeline.engines.hf import HFEngine
 from pipeline.fingerprint import Fingerprints, projection, sketch
+from pipeline.identity import target_config
 from schemas.validation import ValidateConfig
 
 
@@ -22,18 +25,13 @@ def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]
     it and must close it (vLLM engines are shared per process and closed at exit)."""
     s = cfg.serving
     if s.replay == "hf":
-        from pipeline.engines.hf import HFEngine
-
         return HFEngine(s.target.path, conventions.all_boundaries(n), s.dtype, "auto", s.attn_implementation), True
     if s.engine == "vllm":
-        from pipeline.engines import vllm_engine
-
         points = conventions.all_boundaries(n)[:-1]  # r_0..r_N: all vLLM can capture
         return vllm_engine.shared("capture", s.target.path, points, dtype=s.dtype, tp_size=s.tp_size,
                                   max_model_len=s.max_model_len), False
-    from pipeline.engines import sglang_engine
 
-    family = sglang_engine.family_for(s.target.path, s.engine_family)
+    family = conventions.engine_family("sglang", target_config(s.target.path), s.engine_family)
     version = s.engine_version or conventions.NEWEST
     points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family, version)]
     return sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family), True

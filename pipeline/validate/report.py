@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import conventions
+from pipeline.draft.model import acceptance_length
 from pipeline.validate.cost import table_lines
 from pipeline.validate.gate import label
 from schemas.capture import CapturePoint
@@ -39,7 +40,7 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
         if "mean_acceptance_length" in held:
             lines.append(f"{indent}  at training (held-out prompts, {held['measured_by']}): mean length "
                          f"{held['mean_acceptance_length']:.2f}; training accuracy predicted "
-                         f"{1 + (held.get('predicted_accepted_per_step') or 0):.2f}")
+                         f"{acceptance_length(held.get('predicted_accepted_per_step') or 0):.2f}")
     lines += [f"{indent}- {x}" for x in r.reasons]
     if r.cost is not None:
         lines.append(f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "

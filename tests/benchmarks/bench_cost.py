@@ -25,7 +25,7 @@ from pipeline.conventions import AUX_KEY, boundary_point, default_aux_points, dr
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target  # noqa: E402
 from pipeline.tiny import write_conversations  # noqa: E402
-from pipeline.train.trainer import run_train  # noqa: E402
+from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest  # noqa: E402
 from schemas.capture import CapturePoint  # noqa: E402

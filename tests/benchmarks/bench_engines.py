@@ -27,7 +27,7 @@ from pipeline.engines.hf import HFEngine  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.store.reader import DatasetReader  # noqa: E402
 from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
-from pipeline.train.trainer import run_train  # noqa: E402
+from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.capture import parse_points  # noqa: E402
 from schemas.config import ExtractConfig, TrainConfig  # noqa: E402

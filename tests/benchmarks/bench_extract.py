@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.store.encoding import split_planes  # noqa: E402
 from pipeline.store.fs import resolve  # noqa: E402
-from pipeline.store.writer import CapturedBatch, SampleMeta, ShardWriter, _HashingFile  # noqa: E402
+from pipeline.store.writer import SampleMeta, ShardWriter, _HashingFile  # noqa: E402
 from schemas.capture import CapturePoint  # noqa: E402
 from schemas.dataset import dataset_schema  # noqa: E402
 from schemas.provenance import EngineRef, TensorProvenance  # noqa: E402
@@ -74,7 +74,7 @@ def bench_writer(hidden: int = 4096, samples: int = 8, seq: int = 1024, repeats:
         p = planes if pre_split else split_planes(x).numpy()
         fs, path = resolve(str(tmp / "ours.parquet"))
         w = ShardWriter(fs, path, schema)
-        w.write(metas, CapturedBatch([seq] * samples, {str(point): p}))
+        w.write(metas, [seq] * samples, {str(point): p})
         nbytes, _ = w.commit()
         return time.perf_counter() - t0, time.process_time() - c0, nbytes
 

@@ -116,7 +116,7 @@ def bench_data_wait(steps: int) -> dict:
     """The real loop (run_train, in-process) on a freshly extracted tiny dataset."""
     from pipeline.extract.job import run_extract
     from pipeline.tiny import make_tiny_target, write_conversations
-    from pipeline.train.trainer import run_train
+    from pipeline.train.job import run_train
     from schemas.config import ExtractConfig, TrainConfig
 
     root = Path(tempfile.mkdtemp(prefix="strata-bench-train-"))

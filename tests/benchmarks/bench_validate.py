@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
-from pipeline.train.trainer import run_train  # noqa: E402
+from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.config import ExtractConfig, TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402

@@ -1,0 +1,254 @@
+"""Driver side of training: check the data, build the draft vocab and the plan, launch
+DeepSpeed workers with Ray Train, then export the draft for each serving engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from pipeline import conventions
+from pipeline.cluster import init_ray
+from pipeline.conventions import releases
+from pipeline.draft.export import WEIGHTS, ExportError, serving_ids
+from pipeline.draft.model import DraftConfig
+from pipeline.draft.vocab import build_draft_vocab, count_trained_tokens
+from pipeline.fingerprint import Fingerprints
+from pipeline.identity import target_config, target_identity
+from pipeline.store.fs import (
+    atomic_write_bytes,
+    join,
+    read_bytes,
+    resolve,
+)
+from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_samples
+from pipeline.train import checkpoint, heldout
+from pipeline.train.data import split_eval
+from pipeline.train.export import RUN_FILE, export_family, export_run
+from pipeline.train.loop import FINAL_METRICS, train_worker
+from pipeline.train.plan import RunPlan
+from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.capture import CapturePoint
+from schemas.config import TrainConfig
+from schemas.manifest import MANIFEST_NAME
+
+log = logging.getLogger(__name__)
+
+
+def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[CapturePoint], CapturePoint, bool]:
+    """(aux slots in ascending order, the final point, whether it still needs the final norm)."""
+    n = reader.manifest.target.num_layers
+    have = list(reader.manifest.capture_points)
+    finals = [p for p in have if p.kind == "final"]
+    post = [p for p in finals if p.norm == "post"]
+    if post:
+        final, needs_norm = post[0], False
+    elif finals or any(p.boundary(n) == n for p in have):
+        final, needs_norm = next(p for p in have if p.boundary(n) == n), True
+    else:
+        raise ProvenanceMismatch(
+            f"dataset {reader.uri} has no final state (final:post_norm or final:pre_norm): the training targets "
+            f"come from the target's LM head on it; it holds {[str(p) for p in have]}"
+        )
+    if cfg.aux is not None:
+        aux = list(cfg.aux)
+        missing = [str(p) for p in aux if p not in have]
+        if missing:
+            raise ProvenanceMismatch(f"dataset {reader.uri} lacks the configured aux points {missing}; it holds {[str(p) for p in have]}")
+    else:
+        aux = [p for p in have if p.kind != "final" and p.boundary(n) != n]
+    if not aux:
+        raise ProvenanceMismatch(f"dataset {reader.uri} has no residual-stream points to train on")
+    ordered = sorted(aux, key=lambda p: p.sort_key(n))
+    return ordered, final, needs_norm
+
+
+def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg: dict) -> None:
+    """Before any training: every engine the run exports for can load and feed this draft."""
+    for engine in cfg.export.engines:
+        family = export_family(cfg, engine, target_cfg)
+        release = cfg.export.engine_versions.get(engine, conventions.NEWEST)
+        try:
+            ids = serving_ids(aux, n, engine, family, release)
+        except ExportError as e:
+            raise ProvenanceMismatch(f"refusing to train a draft that export.engines cannot serve: {e}. Change the "
+                                     "aux points or drop that engine from export.engines") from None
+        log.info("servable by %s %s (%s ids %s); %d-slot drafts load in %s", engine,
+                 release if release != conventions.NEWEST else "(newest known)", family, ids, len(aux),
+                 ", ".join(releases.servable_by(len(aux))))
+
+
+def prepare(cfg: TrainConfig) -> RunPlan:
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    reader = DatasetReader(cfg.dataset, cfg.s3, expect_target=identity)
+    log.info("verifying %d shards of %s", len(reader.shards), reader.manifest.dataset_id)
+    reader.verify_all()  # missing shard, checksum failure, mixed provenance -> raises, naming the shard
+    aux, final, needs_norm = choose_points(reader, cfg)
+    reader.points = [str(p) for p in aux] + [str(final)]
+    target_cfg = target_config(cfg.target.path)
+    check_servable(cfg, aux, identity.num_layers, target_cfg)
+    fs, root = resolve(cfg.output, cfg.s3)
+    if cfg.init_from:
+        ids, d2t, t2d = warm_start_vocab(cfg, identity, aux, target_cfg)
+    else:
+        counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
+        ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
+    atomic_write_bytes(fs, join(root, "vocab.safetensors"), st_save({"ids": ids, "d2t": d2t, "t2d": t2d}))
+    refs = index_samples(reader)
+    probes = frozenset()
+    if reader.manifest.fingerprints:  # acceptance prompts are prefixes of these: never train on them
+        probes = frozenset(Fingerprints.load(cfg.dataset, cfg.s3, name=reader.manifest.fingerprints["path"]).sample_ids)
+    train, held = split_eval(refs, cfg.eval_fraction, probes)
+    draft = DraftConfig.from_target(target_cfg, len(aux), int(ids.numel()))
+    resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
+    log.info(
+        "draft: %d aux slots %s, final %s%s; vocab %d of %d; %d train / %d eval samples; %s",
+        len(aux), [str(p) for p in aux], final, " (+target norm)" if needs_norm else "", ids.numel(),
+        identity.vocab_size, len(train), len(held), f"resuming from {resume}" if resume else "from scratch",
+    )
+    plan = RunPlan(
+        cfg=cfg.model_dump(mode="json"), draft=draft.to_dict(), aux=[str(p) for p in aux], final=str(final),
+        final_needs_norm=needs_norm, train_refs=[dataclasses.asdict(r) for r in train],
+        eval_refs=[dataclasses.asdict(r) for r in held], resume_from=resume,
+        extra={"dataset_id": reader.manifest.dataset_id, "target_key": identity.key,
+               "dataset_manifest_sha256": hashlib.sha256(read_bytes(reader.fs, join(reader.root, MANIFEST_NAME))).hexdigest()},
+    )
+    run = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("train_refs", "eval_refs")}
+    atomic_write_bytes(fs, join(root, RUN_FILE), json.dumps(run, indent=1).encode())
+    return plan
+
+
+def warm_start_vocab(cfg: TrainConfig, identity, aux: list[CapturePoint], target_cfg: dict):
+    """The starting draft's vocab, after checking it can start this run (else a clear error)."""
+    art = Path(cfg.init_from)  # type: ignore[arg-type]
+    m = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text())
+    why = []
+    if m.target.key != identity.key:
+        why.append(f"it was trained for target {m.target.describe()}, this run trains for {identity.describe()}")
+    if [str(p) for p in m.aux_capture_points] != [str(p) for p in aux]:
+        why.append(f"its aux points are {[str(p) for p in m.aux_capture_points]}, this run's {[str(p) for p in aux]}")
+    shape = DraftConfig.from_target(target_cfg, len(aux), m.draft_config["draft_vocab_size"]).to_dict()
+    if shape != m.draft_config:
+        why.append("its draft shape differs from the one this target gives")
+    if why:
+        raise ValueError(f"init_from {art}: cannot warm-start from this draft: {'; '.join(why)}")
+    sd = st_load((art / WEIGHTS).read_bytes())
+    t2d = sd["t2d"].bool()
+    ids = t2d.nonzero().flatten()
+    d2t = sd["d2t"] if "d2t" in sd else torch.zeros(ids.numel(), dtype=torch.long)
+    log.info("warm start from %s (%s)", art, m.content_digest[:16])
+    return ids, d2t, t2d
+
+
+def _token_masks(reader: DatasetReader):
+    """(input_ids, loss_mask) of every sample, without decoding hidden states."""
+    import pyarrow.parquet as pq
+
+    for shard in reader.shards:
+        with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
+            t = pq.read_table(f, columns=["input_ids", "loss_mask"])
+        for ids, mask in zip(t["input_ids"], t["loss_mask"], strict=True):
+            yield (torch.from_numpy(ids.values.to_numpy().astype("int64")),
+                   torch.from_numpy(mask.values.to_numpy().astype(bool)))
+
+
+def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
+    if use_ray:  # before anything is written
+
+        init_ray(cfg.ray_address)
+        check_resources(cfg)
+    plan = prepare(cfg)
+    plan.use_ray_data = use_ray
+    plan_json = json.dumps(dataclasses.asdict(plan))
+    if use_ray:
+        result = _fit_on_ray(cfg, plan_json)
+    else:
+        result = _fit_in_process(plan_json)
+    heldout.measure_and_record(cfg, plan.aux, result, use_ray)
+    manifests = export_run(cfg.output, cfg.s3)
+    return {"metrics": result, "exports": manifests}
+
+
+def single_process_env() -> None:
+    """What DeepSpeed's init_distributed reads, for a world of one (no launcher)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+
+
+def _fit_in_process(plan_json: str) -> dict:
+    """Single worker, no Ray (benchmarks on a GPU box without Ray)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        single_process_env()
+    return train_worker(plan_json, 0, 1)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_worker(config: dict) -> None:
+    import ray.train
+
+    if not config["use_gpu"]:  # one torch thread per CPU this worker holds (Ray's OMP default counts whole CPUs)
+        torch.set_num_threads(max(1, round(config["cpus_per_worker"])))
+    ctx = ray.train.get_context()
+    train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
+
+
+DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.data.BatchStream)
+
+
+def check_resources(cfg: TrainConfig) -> None:
+    """Refuse a plan the cluster cannot run instead of hanging: the workers and at least one
+    decode task must fit in the cluster's CPUs (GPUs likewise)."""
+    import ray
+
+    total = ray.cluster_resources()
+    need_cpu = cfg.num_workers * cfg.cpus_per_worker + DECODE_TASK_CPUS
+    if total.get("CPU", 0) < need_cpu:
+        raise ValueError(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker} + "
+                         f"{DECODE_TASK_CPUS} CPU for the data decode tasks = {need_cpu} CPUs, but the Ray cluster has "
+                         f"{total.get('CPU', 0):g}: lower cpus_per_worker or num_workers, or add nodes")
+    if cfg.use_gpu and total.get("GPU", 0) < cfg.num_workers:
+        raise ValueError(f"train: use_gpu with {cfg.num_workers} workers needs {cfg.num_workers} GPUs, the Ray "
+                         f"cluster has {total.get('GPU', 0):g}")
+
+
+def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+
+    init_ray(cfg.ray_address)
+    storage = tempfile.mkdtemp(prefix="strata-raytrain-")  # Ray Train's run state; Strata's is in cfg.output
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={"plan_json": plan_json, "cpus_per_worker": cfg.cpus_per_worker, "use_gpu": cfg.use_gpu},
+        torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
+        run_config=RunConfig(storage_path=storage, name="strata-train", failure_config=FailureConfig(max_failures=0)),
+    )
+    try:
+        trainer.fit()
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    fs, root = resolve(cfg.output, cfg.s3)
+    return json.loads(read_bytes(fs, join(root, FINAL_METRICS)))
