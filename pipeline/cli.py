@@ -59,7 +59,8 @@ def cmd_make_conversations(args: argparse.Namespace) -> int:
 
 def cmd_extract(args: argparse.Namespace) -> int:
     from pipeline.extract.job import run_extract
-    from schemas.config import ExtractConfig, load_config
+    from schemas.config import load_config
+    from schemas.extract import ExtractConfig
 
     if args.config:
         cfg = load_config(args.config, ExtractConfig)
@@ -81,7 +82,8 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from pipeline.train.job import run_train
-    from schemas.config import TrainConfig, load_config
+    from schemas.config import load_config
+    from schemas.train import TrainConfig
 
     if args.config:
         cfg = load_config(args.config, TrainConfig)
@@ -291,10 +293,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The commands, in three groups; their declarations repeat in shape (one ``add_parser`` block
+    per command) because that is argparse's form, not shared logic."""
     p = argparse.ArgumentParser(prog="strata", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_data_commands(sub)
+    _add_job_commands(sub)
+    _add_registry_commands(sub)
+    return p
 
+
+def _add_data_commands(sub) -> None:
+    """Local inputs (tiny target, conversations), the demo, and dataset inspection."""
     s = sub.add_parser("make-tiny-target", help="build a tiny Llama + tokenizer locally, pretrained for a few minutes "
                        "on the Python stdlib (deterministic, cached by content); --random skips the training")
     s.add_argument("dir")
@@ -313,6 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shape", choices=["messages", "sharegpt"], default="messages")
     s.set_defaults(func=cmd_make_conversations)
 
+    s = sub.add_parser("demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration")
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
+    s.add_argument("dataset")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--verify", action="store_true",
+                   help="read every shard: checksums, source rows, unique ids, totals (exit 3 when anything is off)")
+    s.set_defaults(func=cmd_inspect)
+
+
+def _add_job_commands(sub) -> None:
+    """The pipeline's jobs: extract, train, export, validate."""
     s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
     s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")
@@ -342,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when blocked, skip timing what the configuration would cost (no speculation / as written / fixed)")
     s.set_defaults(func=cmd_validate)
 
+
+def _add_registry_commands(sub) -> None:
+    """Promotion, scheduled retraining and the registry."""
     s = sub.add_parser("promote", help="move a channel to an artifact (needs a passing validation record)")
     s.add_argument("artifact", help="artifact content digest")
     s.add_argument("--channel", required=True)
@@ -363,17 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
     s.set_defaults(func=cmd_registry)
 
-    s = sub.add_parser("demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration")
-    s.set_defaults(func=cmd_demo)
-
-    s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
-    s.add_argument("dataset")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--verify", action="store_true",
-                   help="read every shard: checksums, source rows, unique ids, totals (exit 3 when anything is off)")
-    s.set_defaults(func=cmd_inspect)
-    return p
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -383,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, InvalidName, StoreUnavailable) as e:
         print(f"strata: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as e:  # noqa: BLE001 - one readable line, details with -v
+    except Exception as e:  # one readable line, details with -v
         if args.verbose:
             raise
         name = type(e).__name__

@@ -16,7 +16,22 @@ from pathlib import Path
 
 from pipeline import conventions
 from pipeline.draft.model import acceptance_length
-from schemas.config import ExtractConfig, load_config
+from pipeline.extract.job import run_extract
+from pipeline.identity import target_identity
+from pipeline.pretrain import RECORD, trained_tiny_target
+from pipeline.registry.registry import Registry
+from pipeline.registry.store import LocalStore
+from pipeline.tiny import write_conversations
+from pipeline.train.job import run_train
+from pipeline.validate.cost import table_lines
+from pipeline.validate.job import run_validate, serving_for_channel
+from pipeline.validate.report import summary
+from schemas.artifact import ARTIFACT_CONFIG, ARTIFACT_MANIFEST, DraftArtifactManifest
+from schemas.capture import CapturePoint
+from schemas.config import load_config
+from schemas.extract import ExtractConfig
+from schemas.train import TrainConfig
+from schemas.validation import ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
 
@@ -39,16 +54,13 @@ def demo_root(root: Path) -> Path:
 
 def ensure_demo(root: Path = DEMO_ROOT) -> Path:
     """Build (once) the tiny target, the conversations and ``extract.yaml``; return its path."""
-    from pipeline.pretrain import RECORD, trained_tiny_target
-    from pipeline.tiny import write_conversations
-
     root = demo_root(root)
     target, conv, cfg_path = root / "target", root / "conversations.jsonl", root / "extract.yaml"
     if not (target / RECORD).exists():
         log.info("building the tiny target (12 layers, hidden 128, BPE tokenizer on stdlib docstrings, pretrained "
                  "on the stdlib's sources and docstring conversations; cached) in %s", target)
         trained_tiny_target(target)
-    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    layers = target_identity(target).num_layers
     if not conv.exists():
         n = write_conversations(conv)
         log.info("wrote %d demo conversations to %s", n, conv)
@@ -93,10 +105,6 @@ def _yaml(obj: dict) -> str:
     import yaml
 
     return yaml.safe_dump(json.loads(json.dumps(obj)), sort_keys=False)
-
-
-def demo_config(root: Path = DEMO_ROOT) -> ExtractConfig:
-    return load_config(ensure_demo(root), ExtractConfig)
 
 
 @contextmanager
@@ -144,17 +152,32 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
 
 
 def _story(root: Path, say) -> bool:
-    from pipeline.extract.job import run_extract
-    from pipeline.pretrain import RECORD
-    from pipeline.registry.registry import Registry
-    from pipeline.registry.store import LocalStore
-    from pipeline.train.job import run_train
-    from pipeline.validate.job import run_validate, serving_for_channel
-    from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
-    from schemas.capture import CapturePoint
-    from schemas.config import TrainConfig
-    from schemas.validation import ValidateConfig
+    """The five chapters; True when the correct draft passed, the incident was blocked and
+    production did not move."""
+    cfg_path = _chapter_target(root, say)
+    _chapter_extract(cfg_path, say)
+    art = _chapter_train(root, say)
+    serving = {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")}}
+    reg, registry = Registry(LocalStore(root / "registry")), root / "registry"
+    good = _chapter_validate(root, art, serving, reg, say)
+    say("\n== 4/5 promote to channel 'production' (needs the passing record just written)")
+    if good.decision == "pass":
+        ptr = reg.promote(good.artifact_digest, "production")
+        say(f"   production -> {ptr.artifact_digest[:16]} (record {ptr.record_id})")
+    before = reg.pointer("production")[0]
+    bad = _chapter_incident(root, art, serving, registry, say)
+    unmoved = reg.pointer("production")[0] == before
+    say("\n== what the misconfiguration would have cost, measured through vLLM on held-out prompts")
+    for line in table_lines(bad.cost or {"skipped": "not measured"}):
+        say("   " + line)
+    say(f"   the gate blocked it before it was served: {bad.decision.upper()}; production "
+        f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
+        + (f" ({before.artifact_digest[:16]})" if before else ""))
+    say(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
+    return good.decision == "pass" and bad.decision == "block" and unmoved
 
+
+def _chapter_target(root: Path, say) -> Path:
     t = time.perf_counter()
     say("\n== 0/5 target: a tiny Llama (12 layers, hidden 128), pretrained on the Python standard library "
         "(about two minutes once, then cached)")
@@ -162,7 +185,10 @@ def _story(root: Path, say) -> bool:
     rec = json.loads((root / "target" / RECORD).read_text())
     say(f"   held-out perplexity {rec['heldout_perplexity']:.1f} (a unigram model: {rec['unigram_perplexity']:.0f}), "
         f"next-token accuracy {rec['heldout_next_token_accuracy']:.2f}  [{time.perf_counter() - t:.0f} s]")
+    return cfg_path
 
+
+def _chapter_extract(cfg_path: Path, say) -> None:
     t = time.perf_counter()
     say("\n== 1/5 extract: hidden states with per-tensor provenance -> Parquet (Ray Data, local Ray)")
     m = run_extract(load_config(cfg_path, ExtractConfig))
@@ -170,40 +196,40 @@ def _story(root: Path, say) -> bool:
         f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} probe samples held out  "
         f"[{time.perf_counter() - t:.0f} s]")
 
+
+def _chapter_train(root: Path, say) -> Path:
     t = time.perf_counter()
     say("\n== 2/5 train: EAGLE-3 draft, DeepSpeed ZeRO-2 on Ray Train; export for SGLang + vLLM")
     out = run_train(load_config(root / "train.yaml", TrainConfig))
     ev, held = out["metrics"].get("eval") or {}, out["metrics"].get("heldout_acceptance") or {}
     say(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
     if "mean_acceptance_length" in held:
+        predicted = acceptance_length(held["predicted_accepted_per_step"] or 0)
         say(f"   held-out prompts: mean acceptance length {held['mean_acceptance_length']:.2f} "
-            f"(accuracy predicts {acceptance_length(held['predicted_accepted_per_step'] or 0):.2f})  [{time.perf_counter() - t:.0f} s]")
+            f"(accuracy predicts {predicted:.2f})  [{time.perf_counter() - t:.0f} s]")
+    return root / "run" / "export" / "vllm"
 
-    art, registry = root / "run" / "export" / "vllm", root / "registry"
-    serving = {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")}}
+
+def _chapter_validate(root: Path, art: Path, serving: dict, reg: Registry, say) -> ValidationReport:
     good = root / "validate.yaml"
     good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"), "serving": serving}))
     t = time.perf_counter()
     say("\n== 3/5 validate through vLLM itself: replay the probe samples, serve the draft with EAGLE-3, "
         "measure what reaches the draft's input and vLLM's acceptance")
-    reg = Registry(LocalStore(registry))
     if reg.channel_spec("production") is None:
         reg.create_channel("production", serving_for_channel(str(good)))
-    r = run_validate(load_config(good, ValidateConfig).model_copy(update={"registry": str(registry)}))
+    r = run_validate(load_config(good, ValidateConfig).model_copy(update={"registry": str(root / "registry")}))
     _say_verdict(say, r)
     say(f"   [{time.perf_counter() - t:.0f} s]")
+    return r
 
-    say("\n== 4/5 promote to channel 'production' (needs the passing record just written)")
-    if r.decision == "pass":
-        ptr = reg.promote(r.artifact_digest, "production")
-        say(f"   production -> {ptr.artifact_digest[:16]} (record {ptr.record_id})")
-    before = reg.pointer("production")[0]
 
+def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say) -> ValidationReport:
+    """The incident: the engine fed the embedding first and every trained point one slot on."""
     t = time.perf_counter()
-    good_cfg = json.loads((art / "config.json").read_text())
+    good_cfg = json.loads((art / ARTIFACT_CONFIG).read_text())
     trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
-    layers = json.loads((root / "target" / "config.json").read_text())["num_hidden_layers"]
-    # The incident: the engine fed the embedding first and every trained point one slot on.
+    layers = target_identity(root / "target").num_layers
     bad_cfg = conventions.draft_config_feeding(good_cfg, [CapturePoint.embedding(), *trained[:-1]], "vllm", layers)
     say(f"\n== 5/5 the incident: embedding inserted first, last slot dropped (ids {bad_cfg[conventions.AUX_KEY]} "
         f"for a draft trained on {good_cfg[conventions.AUX_KEY]})")
@@ -211,26 +237,13 @@ def _story(root: Path, say) -> bool:
     bad = root / "validate-misconfigured.yaml"
     bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),
                           "serving": {**serving, "draft_config": str(root / "misconfigured-config.json")}}))
-    r2 = run_validate(load_config(bad, ValidateConfig).model_copy(update={"registry": str(registry)}))
-    _say_verdict(say, r2)
-    unmoved = reg.pointer("production")[0] == before
+    r = run_validate(load_config(bad, ValidateConfig).model_copy(update={"registry": str(registry)}))
+    _say_verdict(say, r)
     say(f"   [{time.perf_counter() - t:.0f} s]")
-
-    say("\n== what the misconfiguration would have cost, measured through vLLM on held-out prompts")
-    from pipeline.validate.cost import table_lines
-
-    for line in table_lines(r2.cost or {"skipped": "not measured"}):
-        say("   " + line)
-    say(f"   the gate blocked it before it was served: {r2.decision.upper()}; production "
-        f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
-        + (f" ({before.artifact_digest[:16]})" if before else ""))
-    say(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
-    return r.decision == "pass" and r2.decision == "block" and unmoved
+    return r
 
 
 def _say_verdict(say, r) -> None:
-    from pipeline.validate.report import summary
-
     lines = summary(r)
     keep = [lines[0]] + [x for x in lines[1:] if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report"))]
     for line in keep:

@@ -1,7 +1,8 @@
 """Strata's contracts: pydantic models and the Arrow dataset schema. Never imports torch."""
 
 from schemas.capture import CapturePoint, CapturePointError, parse_points
-from schemas.config import ConfigError, ExtractConfig, load_config
+from schemas.config import ConfigError, load_config
+from schemas.extract import ExtractConfig
 from schemas.identity import FileDigest, TargetIdentity
 from schemas.manifest import DatasetManifest, ShardRecord, SourceInfo, Totals
 from schemas.provenance import EngineRef, TensorProvenance

@@ -40,8 +40,10 @@ def check_channel(channel: str) -> str:
     return channel
 
 
-class ServingConfig(BaseModel):
-    """How a draft will be served: a validation record is valid only for exactly this."""
+class Deployment(BaseModel):
+    """How a draft will be served, resolved and pinned (engine release, family, runner, the exact
+    config.json by digest, the target by identity): a validation record is valid only for
+    exactly this. Built from a validation config's ``serving`` section (``ServingConfig``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -70,7 +72,7 @@ class ValidationRecord(BaseModel):
 
     record_id: str
     artifact_digest: str
-    serving: ServingConfig
+    serving: Deployment
     decision: Literal["pass", "block"]
     reasons: list[str] = []
     created_at: str = Field(default_factory=_now)
@@ -92,7 +94,7 @@ class ChannelSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     channel: str
-    serving: ServingConfig
+    serving: Deployment
     created_at: str = Field(default_factory=_now)
 
 

@@ -6,7 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.config import ExtractConfig, S3Config, SourceConfig, TargetConfig, TrainConfig
+from schemas.config import S3Config, TargetConfig
+from schemas.extract import ExtractConfig, SourceConfig
+from schemas.train import TrainConfig
 from schemas.validation import ValidateConfig
 
 _PLACEHOLDER = "/placeholder"

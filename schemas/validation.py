@@ -11,8 +11,9 @@ from schemas.config import S3Config, TargetConfig
 from schemas.provenance import DType
 
 
-class ServingSpec(BaseModel):
-    """The deployment a draft is validated for: the engine reads ``draft_config`` by its rules."""
+class ServingConfig(BaseModel):
+    """The ``serving`` section a user writes: the deployment a draft is validated for (the engine
+    reads ``draft_config`` by its rules). Resolved into a pinned ``schemas.registry.Deployment``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +50,7 @@ class ValidateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     artifact: str = Field(description="exported draft directory (with strata_artifact.json + fingerprints)")
-    serving: ServingSpec
+    serving: ServingConfig
     tolerances: Tolerances = Tolerances()
     acceptance_prompts: int = Field(6, ge=0)
     speculative_tokens: int = Field(3, ge=1)

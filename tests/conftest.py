@@ -106,7 +106,8 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
     from pipeline.extract.job import run_extract
     from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
-    from schemas.config import ExtractConfig, TrainConfig
+    from schemas.extract import ExtractConfig
+    from schemas.train import TrainConfig
 
     root = tmp_path_factory.mktemp("trained")
     write_conversations(root / "conv.jsonl", n=120)
@@ -138,7 +139,8 @@ def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
     from pipeline.extract.job import run_extract
     from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
-    from schemas.config import ExtractConfig, TrainConfig
+    from schemas.extract import ExtractConfig
+    from schemas.train import TrainConfig
 
     root = tmp_path_factory.mktemp("pretrained-run")
     write_conversations(root / "conv.jsonl", n=300)
@@ -198,7 +200,7 @@ class LocalS3:
     def start(self) -> None:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
                "PATH": f"{Path(self.weed).parent}:{os.environ['PATH']}"}
-        self.log = open(self.data / "weed.log", "ab")  # noqa: SIM115
+        self.log = open(self.data / "weed.log", "ab")
         extra = []
         if self.check_signatures:  # only these credentials are accepted (SeaweedFS identities)
             import json
@@ -230,7 +232,7 @@ class LocalS3:
                 self.client.put_object(Bucket="strata-test", Key=".ready", Body=b"ok")
                 if self.client.get_object(Bucket="strata-test", Key=".ready")["Body"].read() == b"ok":
                     return
-            except Exception:  # noqa: BLE001
+            except Exception:
                 time.sleep(0.2)
         require("SeaweedFS S3 server (ready for reads and writes)", False, (self.data / "weed.log").read_text()[-2000:])
 
@@ -270,7 +272,7 @@ def ray_cluster(tmp_path_factory):
     require("Ray CLI", Path(ray_bin).exists(), "pip install 'ray[data,train,default]'")
     gcs, dash = free_port(), free_port()
     tmp = Path("/tmp") / f"ray-strata-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths are length-limited
-    log = open(tmp_path_factory.mktemp("ray") / "ray.log", "wb")  # noqa: SIM115
+    log = open(tmp_path_factory.mktemp("ray") / "ray.log", "wb")
     # The job entrypoint runs `python` from the cluster's PATH: make it this interpreter.
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}

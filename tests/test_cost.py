@@ -19,7 +19,7 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_run, tmp_path):
     from pipeline.store.reader import load_manifest
     from pipeline.train.job import prepare
-    from schemas.config import TrainConfig
+    from schemas.train import TrainConfig
 
     ds = pretrained_run.parent / "ds"
     final = json.loads((pretrained_run / "final_metrics.json").read_text())
@@ -37,7 +37,9 @@ def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_r
         assert trained_on and not trained_on & set(fp.sample_ids)
         assert set(fp.sample_ids) <= {r["sample_id"] for r in plan.eval_refs}
     # Per position, next to the training accuracy's prediction; lossless greedy decoding.
-    assert len(held["acceptance_per_pos"]) == held["k"] == 3 and held["lossless"]
+    assert held["k"] == 3 and held["lossless"]
+    per_pos = held["acceptance_per_pos"]
+    assert len(per_pos) == 3 and per_pos == sorted(per_pos, reverse=True)  # a chain: j only after j-1
     assert held["mean_acceptance_length"] == pytest.approx(1 + held["accepted_per_step"])
     assert held["predicted_accepted_per_step"] > 0
     # In metrics.jsonl, and carried by the exported artifact.
@@ -92,7 +94,8 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     assert written["draft_config"] == "ids [0, 2, 6]" and fixed["draft_config"] == "ids [2, 6, 9]"
     assert base["mean_acceptance_length"] is None and base["decode_tokens_per_s"] > 0
     for r in (written, fixed):
-        assert len(r["acceptance_per_pos"]) == 3 and r["decode_tokens_per_s"] > 0
+        assert r["decode_tokens_per_s"] > 0 and r["acceptance_per_pos"] == sorted(r["acceptance_per_pos"], reverse=True)
+        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["acceptance_per_pos"]), rel=1e-6)
         assert r["same_output_as_no_speculation"]            # speculation is lossless either way (fp32)
         assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                                                                rel=1e-2)

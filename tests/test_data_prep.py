@@ -8,7 +8,7 @@ from pipeline.data.chat import ChatEncoder
 from pipeline.data.conversations import BadRow, parse_row
 from pipeline.data.source import scan_source
 from pipeline.extract.worker import tokenize_unit
-from schemas.config import ExtractConfig
+from schemas.extract import ExtractConfig
 
 
 @pytest.fixture(scope="module")

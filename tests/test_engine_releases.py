@@ -11,7 +11,7 @@ from pipeline import conventions as cv
 from pipeline.conventions import releases as R
 from pipeline.validate import checks
 from schemas.capture import CapturePoint as C
-from schemas.validation import ServingSpec
+from schemas.validation import ServingConfig
 
 O, E, PRE = C.layer_output, C.embedding(), C.final("pre")  # noqa: E741
 N = 61  # DeepSeek-V3 / Kimi-K2(.5)
@@ -124,7 +124,7 @@ def test_unknown_release_is_refused_naming_the_known_ranges():
 
 
 def spec(**kw):
-    return ServingSpec.model_validate({"engine": "vllm", "target": {"path": "/nonexistent"}, **kw})
+    return ServingConfig.model_validate({"engine": "vllm", "target": {"path": "/nonexistent"}, **kw})
 
 
 def test_runner_ambiguity_is_a_reason_and_pinning_resolves_it():

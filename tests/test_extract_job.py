@@ -12,7 +12,7 @@ import pytest
 from pipeline.cli import main as strata
 from pipeline.extract.job import run_extract
 from pipeline.store.reader import DatasetReader
-from schemas.config import ExtractConfig
+from schemas.extract import ExtractConfig
 
 pytestmark = pytest.mark.ray
 REPO = Path(__file__).resolve().parents[1]
@@ -298,7 +298,7 @@ def test_killing_a_capture_actor_mid_run_loses_and_duplicates_nothing(ray_connec
     def run():
         try:
             result["m"] = run_extract(cfg, progress=False)
-        except Exception as e:  # noqa: BLE001 - the kill may fail the job; the rerun must fix it
+        except Exception as e:  # the kill may fail the job; the rerun must fix it
             result["error"] = e
 
     t = threading.Thread(target=run)

@@ -10,7 +10,7 @@ from pipeline.engines.hf import HFEngine
 from pipeline.extract.job import run_extract
 from pipeline.store.encoding import bits_to_torch, join_planes
 from pipeline.store.reader import DatasetReader
-from schemas.config import ExtractConfig
+from schemas.extract import ExtractConfig
 
 
 @pytest.fixture(scope="module")

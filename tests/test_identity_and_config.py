@@ -4,7 +4,8 @@ import shutil
 import pytest
 
 from pipeline.identity import file_sha256, target_identity
-from schemas.config import ConfigError, ExtractConfig, load_config
+from schemas.config import ConfigError, load_config
+from schemas.extract import ExtractConfig
 
 
 def test_identity_digests_and_key(tiny_target, tmp_path):

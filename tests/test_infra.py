@@ -11,8 +11,10 @@ import pytest
 import ray
 import yaml
 
-from schemas.config import ExtractConfig, TrainConfig, load_config
+from schemas.config import load_config
+from schemas.extract import ExtractConfig
 from schemas.retrain import RetrainConfig
+from schemas.train import TrainConfig
 from schemas.validation import ValidateConfig
 
 REPO = Path(__file__).resolve().parents[1]

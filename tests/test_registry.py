@@ -13,12 +13,12 @@ from pipeline.registry.store import LocalStore, S3Store
 from schemas.capture import CapturePoint as C
 from schemas.config import S3Config
 from schemas.identity import TargetIdentity
-from schemas.registry import ServingConfig, ValidationRecord
+from schemas.registry import Deployment, ValidationRecord
 
 TARGET = TargetIdentity(model_name="fake", model_path="/nowhere", architecture="LlamaForCausalLM", num_layers=6,
                         hidden_size=16, vocab_size=40, weights=[], weights_sha256="w", config_sha256="c", tokenizer=[],
                         tokenizer_sha256="t", chat_template_sha256="x")
-SERVING = ServingConfig(engine="vllm", engine_version="0.32.0", dtype="bfloat16", draft_config_sha256="cfg",
+SERVING = Deployment(engine="vllm", engine_version="0.32.0", dtype="bfloat16", draft_config_sha256="cfg",
                         target_key=TARGET.key)
 
 
@@ -44,7 +44,7 @@ def registry(request, tmp_path):
     return Registry(S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", S3Config(endpoint_url=s3["endpoint"])))
 
 
-def test_promotion_requires_a_passing_record_for_the_channel_serving_config(registry, tmp_path):
+def test_promotion_requires_a_passing_record_for_the_channel_deployment(registry, tmp_path):
     d, digest = artifact(tmp_path, 1)
     registry.add_artifact(d)
     registry.create_channel("production", SERVING)

@@ -163,7 +163,7 @@ def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target)
     from pipeline.draft.export import engine_config
     from pipeline.draft.model import DraftConfig
     from pipeline.identity import target_identity
-    from pipeline.validate.job import serving_config
+    from pipeline.validate.job import deployment
     from schemas.capture import parse_points
 
     ident = target_identity(target)
@@ -171,7 +171,7 @@ def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target)
     draft = DraftConfig.from_target(tcfg, 3, min(4096, tcfg["vocab_size"]))
     body = json.dumps(engine_config(draft, parse_points(["layer_output:1", "layer_output:2", "layer_output:3"]),
                                     ident.num_layers, "vllm", "llama", "float32"), indent=1).encode()
-    reg.create_channel("production", serving_config(cfg.validate_config("/unused"), body, ident.key, "llama"))
+    reg.create_channel("production", deployment(cfg.validate_config("/unused"), body, ident.key, "llama"))
 
 
 def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_path):

@@ -2,17 +2,24 @@
 be imported on these machines) -- exported configs SGLang reads as intended per model
 family, engine arguments, reading of its responses -- plus a GPU-cluster test.
 
-SGLang's capture rules are written out here by hand from its model files (0.5.23's
-``set_eagle3_layers_to_capture``), not computed with ``pipeline.conventions``, so a wrong rule
-there fails here."""
+What SGLang captures for a draft config is not transcribed here: it is computed by running
+``set_eagle3_layers_to_capture`` from the released wheel's own model files (``.ci/setup``
+downloads the wheel; it is read as text, never imported), so the expectation comes from
+SGLang, not from ``pipeline.conventions``."""
 
+import ast
 import importlib.util
 import json
 import os
+import textwrap
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 import torch
+from conftest import require
 
 from pipeline.draft.export import ExportError, export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
@@ -23,20 +30,57 @@ from schemas.capture import CapturePoint
 
 lo, E = CapturePoint.layer_output, CapturePoint.embedding()
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+SGLANG_RELEASE = "0.5.23"
+WHEEL_DIR = Path(__file__).resolve().parents[1] / ".venv" / "share" / "strata-wheels"
+MODEL_FILES = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+               "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"), "gpt_oss": ("gpt_oss", "GptOssForCausalLM")}
+
+
+def released_source(module: str) -> str:
+    wheels = sorted(WHEEL_DIR.glob(f"sglang-{SGLANG_RELEASE}-*.whl"))
+    require(f"the sglang {SGLANG_RELEASE} wheel", bool(wheels), f"bash .ci/setup downloads it to {WHEEL_DIR}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        return z.read(f"sglang/srt/models/{module}.py").decode()
+
+
+def released_method(module: str, cls: str, name: str) -> str:
+    src = released_source(module)
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and f.name == name:
+                    return textwrap.dedent(ast.get_source_segment(src, f, padded=True))
+    raise AssertionError(f"sglang {SGLANG_RELEASE} {module}.py has no {cls}.{name}")
 
 
 def sglang_captures(ids: list[int] | None, family: str, n: int) -> list[int]:
-    """The residual boundaries r_k SGLang 0.5.23 captures for a nested id list, transcribed from
-    its ``set_eagle3_layers_to_capture``; states are appended in layer-loop order, each once."""
-    if ids is None:
-        return sorted({2, n // 2, n - 3})                 # default loop indices (r-labels)
-    if family in ("llama", "qwen3"):
-        return sorted({i + 1 for i in ids})               # layers_to_capture = [val + 1 ...]
-    if family == "deepseek_v2":                           # `if layer_ids and layer_ids[0] == 1`
-        return sorted({i + 1 for i in ids} if ids[0] == 1 else set(ids))
-    if family == "gpt_oss":                               # `if layer_ids and max(layer_ids) == num_layers`
-        return sorted(set(ids) if max(ids) == n else {i + 1 for i in ids})
-    raise AssertionError(family)
+    """The residual boundaries r_k SGLang captures for a nested id list: its released
+    ``set_eagle3_layers_to_capture`` run on a stand-in model object. Its decoder loop appends
+    the stream entering layer i for each i in ``layers_to_capture``
+    (``test_sglang_layer_loop_captures_the_input_of_layer_i``), so index i is r_i."""
+    module, cls = MODEL_FILES[family]
+    inner = SimpleNamespace(layers_to_capture=None)
+    inner.set_eagle3_layers_to_capture = lambda ids: setattr(inner, "layers_to_capture", ids)
+    self = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), config=SimpleNamespace(num_hidden_layers=n),
+                           model=inner)
+    ns: dict = {"Optional": Optional, "List": list}
+    exec(released_method(module, cls, "set_eagle3_layers_to_capture"), ns)  # the released source, read as text
+    ns["set_eagle3_layers_to_capture"](self, ids)
+    return sorted(set(inner.layers_to_capture))
+
+
+def test_sglang_layer_loop_captures_the_input_of_layer_i():
+    """In the released Llama model file, layer i is asked to capture when i is in
+    ``layers_to_capture``, and the layer hands that request to its attention stage's
+    ``prepare`` -- the stream entering the layer, before its attention runs -- so i means r_i."""
+    model = released_method("llama", "LlamaModel", "forward")
+    loop = model[model.index("for i in range("):]
+    call = loop[loop.index("self.layers[i]("):]
+    assert "capture_output=aux_hidden_states.capture" in call and "if i in self.layers_to_capture" in call
+    layer = released_method("llama", "LlamaDecoderLayer", "forward")
+    prepare = layer.index("self.attn_boundary.prepare(")
+    assert "capture=capture_output" in layer[prepare:layer.index(")", prepare)]
+    assert prepare < layer.index("self.self_attn(")
 
 
 @pytest.fixture(scope="module")

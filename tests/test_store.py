@@ -17,8 +17,8 @@ from pipeline.store.fs import resolve
 from pipeline.store.reader import DatasetReader, ProvenanceMismatch, ShardCorrupt
 from pipeline.store.writer import SampleMeta, ShardWriter
 from schemas.capture import CapturePoint as C
-from schemas.config import ExtractConfig
 from schemas.dataset import META_CODEC, META_PROVENANCE, dataset_schema
+from schemas.extract import ExtractConfig
 from schemas.provenance import EngineRef, TensorProvenance
 
 POINTS = ["layer_output:1", "layer_output:2", "final:post_norm"]

@@ -24,7 +24,8 @@ from pipeline.train.data import split_eval
 from pipeline.train.job import prepare, run_train
 from schemas.artifact import ARTIFACT_FINGERPRINTS
 from schemas.capture import CapturePoint as C
-from schemas.config import ExtractConfig, TrainConfig
+from schemas.extract import ExtractConfig
+from schemas.train import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
 AUX = ["layer_output:1", "layer_output:2", "layer_output:3"]
@@ -179,6 +180,22 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dat
     mb = [json.loads(x)["loss"] for x in (tmp_path / "b/metrics.jsonl").read_text().splitlines() if '"kind"' not in x]
     assert len(ma) == len(mb) == 4
     assert mb == pytest.approx(ma, rel=1e-4)
+
+
+def test_probe_samples_are_never_trained_on(tiny_target, dataset, tmp_path):
+    """160 samples (under the ~320 where eval_fraction alone would cover them) with eval_fraction 0:
+    the 16 probe samples, whose prefixes are the acceptance prompts, still stay out of training."""
+    from pipeline.fingerprint import Fingerprints
+    from pipeline.store.reader import DatasetReader
+
+    reader = DatasetReader(str(dataset))
+    probes = set(Fingerprints.load(str(dataset), name=reader.manifest.fingerprints["path"]).sample_ids)
+    assert len(probes) == 16
+    plan = prepare(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", eval_fraction=0.0)))
+    trained = {r["sample_id"] for r in plan.train_refs}
+    held = {r["sample_id"] for r in plan.eval_refs}
+    assert not trained & probes and held == probes
+    assert len(trained) + len(held) == 160
 
 
 def test_refuses_other_target(tiny_target, dataset, tmp_path):

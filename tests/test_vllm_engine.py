@@ -15,7 +15,8 @@ from pipeline.fingerprint import rel_l2
 from pipeline.store.reader import DatasetReader
 from pipeline.validate.job import run_validate
 from schemas.capture import CapturePoint
-from schemas.config import ConfigError, ExtractConfig, validate_config
+from schemas.config import ConfigError, validate_config
+from schemas.extract import ExtractConfig
 from schemas.validation import ValidateConfig
 
 pytestmark = pytest.mark.vllm

@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,6 +25,7 @@ from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
 from pipeline.dtypes import torch_dtype
 from schemas.artifact import (
+    ARTIFACT_CONFIG,
     ARTIFACT_FINGERPRINTS,
     ARTIFACT_MANIFEST,
     ARTIFACT_WEIGHTS,
@@ -119,32 +122,16 @@ def export_draft(
     ``fingerprints`` = (the dataset's fingerprints file, its manifest entry): copied in, so
     the draft can be validated after its training data is gone.
     """
-    if engine not in ("sglang", "vllm"):
-        raise ExportError(f"unknown serving engine {engine!r}: expected sglang or vllm")
     n = target.num_layers
-    ordered = sorted(aux_points, key=lambda p: p.sort_key(n))
-    if ordered != list(aux_points):
-        raise ExportError(f"aux capture points must be in ascending order, got {[str(p) for p in aux_points]}")
-    if len(aux_points) != model.config.num_aux:
-        raise ExportError(f"the draft reads {model.config.num_aux} aux slots, got {len(aux_points)} capture points")
+    _check_aux(model, aux_points, n, engine)
     if release == conventions.NEWEST:
         release = releases.newest_release(engine)  # type: ignore[arg-type]
     cfg_json = engine_config(model.config, aux_points, n, engine, family, dtype, release)
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(Path(out_dir)) as tmp:
         tdtype = torch_dtype(dtype)
         sd = {k: (v.to(tdtype) if v.is_floating_point() else v) for k, v in draft_state_dict(model, engine).items()}
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=1))
-        fp_meta = None
-        if fingerprints is not None:
-            blob, meta = fingerprints
-            if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
-                raise ExportError("the dataset's fingerprints file does not match its manifest digest")
-            (tmp / ARTIFACT_FINGERPRINTS).write_bytes(blob)
-            fp_meta = {**meta, "path": ARTIFACT_FINGERPRINTS}
+        (tmp / ARTIFACT_CONFIG).write_text(json.dumps(cfg_json, indent=1))
         manifest = DraftArtifactManifest(
             content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
             engine_family=family if engine == "sglang" else None,
@@ -155,16 +142,43 @@ def export_draft(
             ids_valid_for=conventions.releases_reading(cfg_json, aux_points, engine, family, n),
             target=target, dataset_id=dataset_id, dataset_manifest_sha256=dataset_manifest_sha256,
             draft_config=model.config.to_dict(), training=training or {}, metrics=metrics or {},
-            fingerprints=fp_meta,
+            fingerprints=_copy_fingerprints(tmp, fingerprints) if fingerprints is not None else None,
         )
         (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))
+    return manifest
+
+
+def _check_aux(model: Eagle3Draft, aux_points: list[CapturePoint], n: int, engine: str) -> None:
+    if engine not in ("sglang", "vllm"):
+        raise ExportError(f"unknown serving engine {engine!r}: expected sglang or vllm")
+    if sorted(aux_points, key=lambda p: p.sort_key(n)) != list(aux_points):
+        raise ExportError(f"aux capture points must be in ascending order, got {[str(p) for p in aux_points]}")
+    if len(aux_points) != model.config.num_aux:
+        raise ExportError(f"the draft reads {model.config.num_aux} aux slots, got {len(aux_points)} capture points")
+
+
+def _copy_fingerprints(artifact: Path, fingerprints: tuple[bytes, dict]) -> dict:
+    blob, meta = fingerprints
+    if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
+        raise ExportError("the dataset's fingerprints file does not match its manifest digest")
+    (artifact / ARTIFACT_FINGERPRINTS).write_bytes(blob)
+    return {**meta, "path": ARTIFACT_FINGERPRINTS}
+
+
+@contextmanager
+def atomic_dir(out: Path) -> Iterator[Path]:
+    """A temp sibling of ``out`` to fill; renamed into place when the block succeeds, removed
+    when it fails, so ``out`` is never half-written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return manifest
 
 
 def load_draft(directory: str | Path, target_dir: str | Path | None = None, dtype=torch.float32) -> Eagle3Draft:

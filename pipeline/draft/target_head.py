@@ -23,7 +23,7 @@ def _find_tensor(model_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for n in names:
-                if n in st.keys():  # noqa: SIM118 - safe_open has keys(), not __contains__
+                if n in st.keys():  # safe_open has keys(), not __contains__
                     return st.get_tensor(n)
     raise KeyError(f"{model_dir}: none of {names} found in {[f.name for f in files]}")
 

@@ -11,7 +11,7 @@ from pipeline.engines.base import TargetEngine
 from pipeline.engines.hf import HFEngine, hf_engine_ref
 from pipeline.identity import target_config
 from schemas.capture import CapturePoint
-from schemas.config import ExtractConfig
+from schemas.extract import ExtractConfig
 from schemas.provenance import EngineRef
 
 

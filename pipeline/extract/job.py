@@ -28,8 +28,8 @@ from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.store import open_store
 from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, load_manifest
-from schemas.config import ExtractConfig
 from schemas.dataset import ENCODING, dataset_schema
+from schemas.extract import ExtractConfig
 from schemas.identity import TargetIdentity
 from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord, SourceInfo, Totals
 from schemas.provenance import TensorProvenance

@@ -20,7 +20,7 @@ from pipeline.engines.base import CapturedBatch
 from pipeline.extract import layout
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
 from pipeline.store.writer import SampleMeta, ShardWriter
-from schemas.config import ExtractConfig
+from schemas.extract import ExtractConfig
 from schemas.manifest import ShardRecord
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class UnitWriter:
                     continue
                 try:
                     writer.write(*item)
-                except BaseException as e:  # noqa: BLE001 - re-raised on the capture thread
+                except BaseException as e:  # re-raised on the capture thread
                     errors.append(e)
 
         t = threading.Thread(target=drain, name=f"shard-writer-{tu.unit}", daemon=True)

@@ -34,7 +34,7 @@ from schemas.registry import (
     AuditEntry,
     ChannelPointer,
     ChannelSpec,
-    ServingConfig,
+    Deployment,
     ValidationRecord,
     check_channel,
     check_digest,
@@ -56,7 +56,7 @@ class PromotionRefused(RuntimeError):
 def _actor() -> str:
     try:
         return f"{getpass.getuser()}@{socket.gethostname()}"
-    except Exception:  # noqa: BLE001 - an unknown user is still auditable
+    except Exception:  # an unknown user is still auditable
         return f"unknown@{socket.gethostname()}"
 
 
@@ -71,7 +71,7 @@ class Registry:
     def _sign(self, record: ValidationRecord) -> str:
         return hmac.new(self._key, record.body(), hashlib.sha256).hexdigest()  # type: ignore[arg-type]
 
-    def record_problems(self, record: ValidationRecord, key: str, digest: str, serving: ServingConfig | None) -> list[str]:
+    def record_problems(self, record: ValidationRecord, key: str, digest: str, serving: Deployment | None) -> list[str]:
         """Why a stored record does not vouch for ``digest`` under ``serving`` (empty: it does)."""
         problems = []
         if key.rsplit("/", 1)[-1] != f"{record.digest}.json":
@@ -178,11 +178,11 @@ class Registry:
                                actor=_actor()))
         return key
 
-    def records(self, digest: str, serving: ServingConfig | None = None) -> list[ValidationRecord]:
+    def records(self, digest: str, serving: Deployment | None = None) -> list[ValidationRecord]:
         """The records that vouch for ``digest`` (under ``serving``, when given), oldest first."""
         return [r for r, problems in self.all_records(digest, serving) if not problems]
 
-    def all_records(self, digest: str, serving: ServingConfig | None = None
+    def all_records(self, digest: str, serving: Deployment | None = None
                     ) -> list[tuple[ValidationRecord, list[str]]]:
         """Every record stored under ``digest`` with what is wrong with it, oldest first."""
         check_digest(digest)
@@ -201,7 +201,7 @@ class Registry:
         return sorted(out, key=lambda x: x[0].created_at)
 
     # -- channels -------------------------------------------------------------------------------
-    def create_channel(self, channel: str, serving: ServingConfig) -> ChannelSpec:
+    def create_channel(self, channel: str, serving: Deployment) -> ChannelSpec:
         check_channel(channel)
         spec = ChannelSpec(channel=channel, serving=serving)
         try:

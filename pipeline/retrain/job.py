@@ -18,6 +18,7 @@ import signal
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from pipeline.store.fs import list_files, read_bytes, resolve
 from pipeline.store.reader import load_manifest
 from pipeline.train.job import run_train
 from pipeline.validate.job import run_validate
+from schemas.artifact import DraftArtifactManifest
 from schemas.retrain import RetrainConfig, RunRecord
 
 log = logging.getLogger(__name__)
@@ -65,11 +67,24 @@ def run_retrain(cfg: RetrainConfig, progress: bool = True) -> RunRecord:
     return record
 
 
-def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, progress: bool) -> RunRecord:
-    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+@dataclass
+class _Survey:
+    """What the channel serves and what the source holds now, for this target identity."""
+
+    current: DraftArtifactManifest | None  # the channel's artifact
+    changed: bool                          # the target identity differs from the channel's
+    lineage: str
+    latest: tuple | None                   # (DatasetVersion, uri) of the lineage's newest version
+    changes: list[str]                     # how the extraction recipe differs from the latest's
+    base: tuple | None                     # the version new rows are added to (None: start over)
+    source_rows: int
+    fresh: list
+    digests: list
+
+
+def _survey(cfg: RetrainConfig, reg: Registry, identity) -> _Survey:
     pointer, _ = reg.pointer(cfg.channel)
     current = reg.artifact(pointer.artifact_digest) if pointer else None
-    changed = current is not None and current.target.key != identity.key
     lineage = versions.lineage_uri(cfg.data_root, identity)
     latest = versions.latest_version(lineage, cfg.s3)
     changes = versions.recipe_changes(versions.manifest_recipe(load_manifest(latest[1], cfg.s3)),
@@ -77,46 +92,61 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
     base = None if changes else latest  # a version only inherits rows extracted the same way
     seen = versions.seen_digests(base[1], cfg.s3) if base else set()
     source_rows, fresh, digests = versions.new_rows(cfg, seen)
+    return _Survey(current, current is not None and current.target.key != identity.key, lineage, latest, changes,
+                   base, source_rows, fresh, digests)
+
+
+def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, progress: bool) -> RunRecord:
+    """Survey, extract what is new, train, then validate and promote through the gate."""
+    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    sv = _survey(cfg, reg, identity)
     rec = RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key=identity.key, outcome="noop",
-                    message="", source_rows=source_rows, new_rows=len(fresh), identity_changed=changed,
-                    recipe_changes=changes)
-    if changed:
+                    message="", source_rows=sv.source_rows, new_rows=len(sv.fresh), identity_changed=sv.changed,
+                    recipe_changes=sv.changes)
+    if sv.changed:
         log.info("target identity changed (%s -> %s): a new lineage, everything is extracted again",
-                 current.target.key[:12], identity.key[:12])  # type: ignore[union-attr]
-    if changes:
+                 sv.current.target.key[:12], identity.key[:12])  # type: ignore[union-attr]
+    if sv.changes:
         log.info("extraction changed since %s (%s): a new base version, everything is extracted again",
-                 latest[0].dataset_id, "; ".join(changes))  # type: ignore[index]
-    if not fresh and base is None:
+                 sv.latest[0].dataset_id, "; ".join(sv.changes))  # type: ignore[index]
+    if not sv.fresh and sv.base is None:
         rec.message = f"the source {cfg.source.uri} has no rows to extract"
         return rec
     done = {r.get("dataset_id") for r in _completed_runs(reg, cfg)}
-    if not fresh and latest is not None and latest[0].dataset_id in done:
-        rec.dataset_id, rec.dataset_version = latest[0].dataset_id, latest[0].version
-        rec.message = (f"nothing new: all {source_rows} source rows are in {latest[0].dataset_id}, which a previous "
-                       "run already trained and validated; no extraction, no training")
+    if not sv.fresh and sv.latest is not None and sv.latest[0].dataset_id in done:
+        rec.dataset_id, rec.dataset_version = sv.latest[0].dataset_id, sv.latest[0].version
+        rec.message = (f"nothing new: all {sv.source_rows} source rows are in {sv.latest[0].dataset_id}, which a "
+                       "previous run already trained and validated; no extraction, no training")
         return rec
-    if fresh:
-        number = latest[0].version + 1 if latest else 1
-        version, uri = versions.build_version(cfg, identity, lineage, number, base, fresh, source_rows, digests, progress)
-        rec.extracted_rows = len(fresh)
+    if sv.fresh:
+        number = sv.latest[0].version + 1 if sv.latest else 1
+        version, uri = versions.build_version(cfg, identity, sv.lineage, number, sv.base, sv.fresh, sv.source_rows,
+                                              sv.digests, progress)
+        rec.extracted_rows = len(sv.fresh)
     else:
-        version, uri = latest  # type: ignore[misc]  # extracted by a run that did not finish training
+        version, uri = sv.latest  # type: ignore[misc]  # extracted by a run that did not finish training
     rec.dataset_id, rec.dataset_version = version.dataset_id, version.version
-
     out = posixpath.join(cfg.data_root.rstrip("/"), "runs", run_id)
+    _train(cfg, reg, sv, uri, out, rec)
+    return _validate_and_promote(cfg, reg, spec, out, lease, rec)
+
+
+def _train(cfg: RetrainConfig, reg: Registry, sv: _Survey, dataset_uri: str, out: str, rec: RunRecord) -> None:
+    """Train on the version, warm from the channel's draft when target and aux points are unchanged."""
     init_from = None
     with tempfile.TemporaryDirectory(prefix="strata-warm-") as tmp:
-        if cfg.warm_start and current is not None and not changed:
-            tcfg = cfg.train_config(uri, out, None)
+        if cfg.warm_start and sv.current is not None and not sv.changed:
+            tcfg = cfg.train_config(dataset_uri, out, None)
             wanted = [str(p) for p in tcfg.aux] if tcfg.aux else None
-            if wanted is None or wanted == [str(p) for p in current.aux_capture_points]:
-                init_from = str(reg.fetch_artifact(current.content_digest, Path(tmp) / "start"))
-                rec.warm_start_from = current.content_digest
-
-        run_train(cfg.train_config(uri, out, init_from), use_ray=cfg.use_ray)
+            if wanted is None or wanted == [str(p) for p in sv.current.aux_capture_points]:
+                init_from = str(reg.fetch_artifact(sv.current.content_digest, Path(tmp) / "start"))
+                rec.warm_start_from = sv.current.content_digest
+        run_train(cfg.train_config(dataset_uri, out, init_from), use_ray=cfg.use_ray)
     rec.trained = True
-    artifact = _local_artifact(out, spec.serving.engine, cfg)
 
+
+def _validate_and_promote(cfg: RetrainConfig, reg: Registry, spec, out: str, lease: Lease, rec: RunRecord) -> RunRecord:
+    artifact = _local_artifact(out, spec.serving.engine, cfg)
     try:
         report = run_validate(cfg.validate_config(str(artifact)))
     finally:
@@ -138,7 +168,7 @@ def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, pr
     rec.outcome = "promoted"
     rec.message = (f"{cfg.channel} -> {report.artifact_digest[:16]}: {rec.extracted_rows} rows extracted, trained "
                    f"{'warm from ' + rec.warm_start_from[:16] if rec.warm_start_from else 'from scratch'} on "
-                   f"{version.dataset_id}")
+                   f"{rec.dataset_id}")
     return rec
 
 
@@ -182,7 +212,7 @@ def run_forever(cfg: RetrainConfig, every_s: float, progress: bool = False, max_
                 run_retrain(cfg, progress)
             except LeaseHeld as e:
                 log.warning("skipping this pass: %s", e)
-            except Exception:  # noqa: BLE001 - a scheduler survives a failed pass and tries again
+            except Exception:  # a scheduler survives a failed pass and tries again
                 log.exception("retrain pass failed; next pass in %.0f s", every_s)
             runs += 1
             if max_runs is not None and runs >= max_runs:

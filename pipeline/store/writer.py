@@ -39,7 +39,7 @@ class _HashingFile:
     """File-like sink that hashes bytes on their way to disk."""
 
     def __init__(self, path: str):
-        self._f = open(path, "wb")  # noqa: SIM115
+        self._f = open(path, "wb")
         self.sha = hashlib.sha256()
         self.size = 0
         self.closed = False
@@ -158,7 +158,7 @@ class ShardWriter:
     def abort(self) -> None:
         try:
             self._writer.close()
-        except Exception:  # noqa: BLE001 - best effort cleanup of an unpublished temp file
+        except Exception:  # best effort cleanup of an unpublished temp file
             pass
         self._sink.close()
         if self._pool:

@@ -131,7 +131,7 @@ class BatchStream:
             try:
                 for step, idx in self.items:
                     q.put((step, to_batch(load_batch(reader, [self.refs[i] for i in idx], self.aux, self.final))))
-            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            except BaseException as e:  # re-raised in the consumer
                 q.put(e)
             q.put(done)
 

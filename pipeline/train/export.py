@@ -19,7 +19,7 @@ from pipeline.store.fs import exists, join, publish_local_file, read_bytes, reso
 from pipeline.store.reader import load_manifest
 from pipeline.train import checkpoint
 from schemas.capture import CapturePoint
-from schemas.config import TrainConfig
+from schemas.train import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from pipeline.train.export import export_run
 from pipeline.train.loop import FINAL_METRICS
 from pipeline.train.metrics import METRICS_FILE
 from schemas.capture import CapturePoint
-from schemas.config import TrainConfig
+from schemas.train import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from pipeline.train.loop import FINAL_METRICS, train_worker
 from pipeline.train.plan import RunPlan
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
-from schemas.config import TrainConfig
 from schemas.manifest import MANIFEST_NAME
+from schemas.train import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from pipeline.train.data import BatchStream, SampleRef, plan_epoch
 from pipeline.train.metrics import MetricsLog, MetricsWindow
 from pipeline.train.plan import RunPlan
 from pipeline.train.trainer import Trainer
-from schemas.config import TrainConfig
+from schemas.train import TrainConfig
 
 log = logging.getLogger(__name__)
 

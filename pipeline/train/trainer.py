@@ -23,7 +23,7 @@ from pipeline.train.data import Batch, BatchStream, SampleRef, plan_epoch
 from pipeline.train.metrics import StepSums
 from pipeline.train.plan import RunPlan
 from schemas.capture import CapturePoint
-from schemas.config import TrainConfig
+from schemas.train import TrainConfig
 
 PLAN_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
 

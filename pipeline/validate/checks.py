@@ -16,7 +16,7 @@ from pipeline.engines import installed_version, same_release
 from pipeline.validate.gate import label
 from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
-from schemas.validation import Check, ServingSpec
+from schemas.validation import Check, ServingConfig
 
 
 @dataclass
@@ -39,7 +39,7 @@ def identity(trained: TargetIdentity, serving: TargetIdentity) -> tuple[list[Che
     return checks, res
 
 
-def serving_release(s: ServingSpec) -> str:
+def serving_release(s: ServingConfig) -> str:
     """The release whose rules apply: as configured, else the installed one (replay: engine),
     else the newest release with a known rule."""
     if s.engine_version:
@@ -49,7 +49,7 @@ def serving_release(s: ServingSpec) -> str:
     return releases.newest_release(s.engine)
 
 
-def installed_release(s: ServingSpec, release: str) -> tuple[str | None, Result]:
+def installed_release(s: ServingConfig, release: str) -> tuple[str | None, Result]:
     """With replay: engine, the installed engine must be the serving release."""
     res = Result()
     got = installed_version(s.engine) if s.replay == "engine" else None
@@ -75,7 +75,7 @@ class Reading:
                 "error": self.error}
 
 
-def rule_readings(s: ServingSpec, release: str, family: str, draft_cfg: dict, n: int) -> list[Reading]:
+def rule_readings(s: ServingConfig, release: str, family: str, draft_cfg: dict, n: int) -> list[Reading]:
     """One reading per runner the deployment may use; UnknownRelease when a rule is missing."""
     runners = releases.runners_for(release, s.vllm_runner) if s.engine == "vllm" else [None]
     out = []

@@ -94,9 +94,6 @@ class MeasuredFeed:
     verify: list[SlotFeed] | None
     vs_training: list[float]          # rel L2 of the prefill feed vs the slot's training values
 
-    def fed_keys(self) -> list[str | None]:
-        return [s.best for s in self.prefill]
-
 
 def measure(per_request: list[tuple[Rows, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
             training: list[torch.Tensor], n_slots: int, proj: torch.Tensor, tol: Tolerances) -> MeasuredFeed:

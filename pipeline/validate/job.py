@@ -42,7 +42,7 @@ from schemas.artifact import (
 from schemas.capture import CapturePoint
 from schemas.config import load_config
 from schemas.identity import TargetIdentity
-from schemas.registry import ServingConfig, ValidationRecord
+from schemas.registry import Deployment, ValidationRecord
 from schemas.validation import SlotCheck, ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
@@ -59,23 +59,24 @@ def _family(cfg: ValidateConfig, tcfg: dict) -> str:
         raise ValidationInputError(str(e)) from None
 
 
-def serving_config(cfg: ValidateConfig, draft_cfg_bytes: bytes, target_key: str, family: str,
-                   release: str | None = None) -> ServingConfig:
+def deployment(cfg: ValidateConfig, draft_cfg_bytes: bytes, target_key: str, family: str,
+               release: str | None = None) -> Deployment:
+    """The pinned deployment a validation config describes (what its record is valid for)."""
     s = cfg.serving
-    return ServingConfig(engine=s.engine, engine_version=release or checks.serving_release(s),
-                         engine_family=family if s.engine == "sglang" else None, dtype=s.dtype, tp_size=s.tp_size,
-                         vllm_runner=s.vllm_runner if s.engine == "vllm" and s.vllm_runner != "auto" else None,
-                         draft_config_sha256=hashlib.sha256(draft_cfg_bytes).hexdigest(), target_key=target_key)
+    return Deployment(engine=s.engine, engine_version=release or checks.serving_release(s),
+                      engine_family=family if s.engine == "sglang" else None, dtype=s.dtype, tp_size=s.tp_size,
+                      vllm_runner=s.vllm_runner if s.engine == "vllm" and s.vllm_runner != "auto" else None,
+                      draft_config_sha256=hashlib.sha256(draft_cfg_bytes).hexdigest(), target_key=target_key)
 
 
-def serving_for_channel(validate_config_path: str) -> ServingConfig:
+def serving_for_channel(validate_config_path: str) -> Deployment:
     """The serving configuration a channel deploys with, from a validation config."""
     cfg = load_config(validate_config_path, ValidateConfig)
     art = Path(cfg.artifact)
     draft_cfg_path = Path(cfg.serving.draft_config) if cfg.serving.draft_config else art / "config.json"
     ident = target_identity(cfg.serving.target.path, cfg.serving.target.name, cfg.serving.target.revision)
     family = _family(cfg, target_config(cfg.serving.target.path))
-    return serving_config(cfg, draft_cfg_path.read_bytes(), ident.key, family)
+    return deployment(cfg, draft_cfg_path.read_bytes(), ident.key, family)
 
 
 def _load_artifact(art: Path) -> tuple[DraftArtifactManifest, Fingerprints]:
@@ -159,7 +160,7 @@ def run_validate(cfg: ValidateConfig) -> ValidationReport:
         report.report_dir = cfg.report_dir
         write_report(report, case.n, Path(cfg.report_dir))
     if cfg.registry:
-        record(cfg, report, serving_config(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, case.release),
+        record(cfg, report, deployment(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, case.release),
                case.art)
     return report
 
@@ -194,7 +195,7 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
                                 blocked=bool(reasons))
     reasons += _acceptance_reasons(cfg, accept)
 
-    sc = serving_config(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, release)
+    sc = deployment(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, release)
     return ValidationReport(
         decision="block" if reasons else "pass", reasons=reasons, artifact_digest=case.manifest.content_digest,
         serving_key=sc.key, serving=sc.model_dump(mode="json") | {"attn_implementation": s.attn_implementation},
@@ -339,7 +340,7 @@ def _acceptance_reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
     return reasons
 
 
-def record(cfg: ValidateConfig, report: ValidationReport, sc: ServingConfig, art: Path) -> None:
+def record(cfg: ValidateConfig, report: ValidationReport, sc: Deployment, art: Path) -> None:
     reg = Registry(open_store(cfg.registry, cfg.s3))
     reg.add_artifact(art)
     reg.add_record(ValidationRecord(record_id=uuid.uuid4().hex[:12], artifact_digest=report.artifact_digest, serving=sc,

@@ -21,6 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from _results import save_result  # noqa: E402
+
 from pipeline.conventions import AUX_KEY, boundary_point, default_aux_points, draft_config_feeding  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target  # noqa: E402
@@ -29,7 +31,8 @@ from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest  # noqa: E402
 from schemas.capture import CapturePoint  # noqa: E402
-from schemas.config import ExtractConfig, TrainConfig  # noqa: E402
+from schemas.extract import ExtractConfig  # noqa: E402
+from schemas.train import TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402
 
 LAYERS = 12
@@ -83,9 +86,7 @@ def main() -> None:
         "note": "decode tokens/s are single-stream on this host; compare ratios (speedup_vs_no_speculation), "
                 "not absolute numbers",
     }
-    path = Path(__file__).parent / "results" / "cost_tiny_cpu.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {path}")
+    save_result(result, "cost_tiny_cpu.json")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from _results import save_result  # noqa: E402
 
 from pipeline.engines import vllm_engine  # noqa: E402
 from pipeline.engines.base import plan_by_tokens  # noqa: E402
@@ -30,7 +31,8 @@ from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.capture import parse_points  # noqa: E402
-from schemas.config import ExtractConfig, TrainConfig  # noqa: E402
+from schemas.extract import ExtractConfig  # noqa: E402
+from schemas.train import TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402
 
 POINTS = ["layer_output:1", "layer_output:2", "layer_output:3", "final:pre_norm"]
@@ -105,10 +107,7 @@ def main() -> None:
             if "reference" in acc else None,
         },
     }
-    print(json.dumps(result, indent=1))
-    out = Path(__file__).parent / "results" / "engines_tiny_cpu.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {out}")
+    save_result(result, "engines_tiny_cpu.json")
 
 
 if __name__ == "__main__":

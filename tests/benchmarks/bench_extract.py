@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from _results import save_result  # noqa: E402
+
 from pipeline.store.encoding import split_planes  # noqa: E402
 from pipeline.store.fs import resolve  # noqa: E402
 from pipeline.store.writer import SampleMeta, ShardWriter, _HashingFile  # noqa: E402
@@ -147,7 +149,7 @@ def bench_end_to_end(shape: str, device: str, dtype: str, samples: int, seq: int
     from pipeline.extract.job import build_schema
     from pipeline.extract.worker import TokenizedUnit, UnitWriter
     from pipeline.identity import target_identity
-    from schemas.config import ExtractConfig
+    from schemas.extract import ExtractConfig
 
     root = Path(tempfile.mkdtemp(prefix="strata-bench-e2e-"))
     target = build_target(shape, root)
@@ -214,10 +216,7 @@ def main() -> None:
         print(json.dumps({"writer": result["writer"]}, indent=1))
     result["end_to_end"] = bench_end_to_end(a.shape, a.device, dtype, a.samples, seq, a.repeats)
     print(json.dumps({"end_to_end": result["end_to_end"]}, indent=1))
-    out = Path(a.out or Path(__file__).parent / "results" / f"extract_{a.shape}_{'gpu' if gpu else 'cpu'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {out}")
+    save_result(result, f"extract_{a.shape}_{'gpu' if gpu else 'cpu'}.json", a.out)
 
 
 if __name__ == "__main__":

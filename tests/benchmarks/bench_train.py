@@ -25,6 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from _results import save_result  # noqa: E402
+
 from pipeline.draft.model import DraftConfig, Eagle3Draft, TargetBatch, init_weights  # noqa: E402
 
 SHAPES = {
@@ -117,7 +119,8 @@ def bench_data_wait(steps: int) -> dict:
     from pipeline.extract.job import run_extract
     from pipeline.tiny import make_tiny_target, write_conversations
     from pipeline.train.job import run_train
-    from schemas.config import ExtractConfig, TrainConfig
+    from schemas.extract import ExtractConfig
+    from schemas.train import TrainConfig
 
     root = Path(tempfile.mkdtemp(prefix="strata-bench-train-"))
     target = make_tiny_target(root / "target", num_layers=6, hidden_size=256)
@@ -152,9 +155,7 @@ def main() -> None:
     if not a.skip_data:
         result["data"] = bench_data_wait(steps=30)
         print(json.dumps({"data": result["data"]}, indent=1))
-    out = Path(a.out or Path(__file__).parent / "results" / f"train_{a.shape}_{device.type}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {out}")
+    save_result(result, f"train_{a.shape}_{device.type}.json", a.out)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -18,11 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from _results import save_result  # noqa: E402
+
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
-from schemas.config import ExtractConfig, TrainConfig  # noqa: E402
+from schemas.extract import ExtractConfig  # noqa: E402
+from schemas.train import TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402
 
 
@@ -56,10 +58,7 @@ def main() -> None:
         "validation": {"probe_samples": probes, "acceptance_prompts": 6, "wall_s_best": min(times), "wall_s": times,
                        "decision": r.decision, "reasons": r.reasons},
     }
-    print(json.dumps(result, indent=1))
-    out = Path(__file__).parent / "results" / "validate_tiny_cpu.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"saved {out}")
+    save_result(result, "validate_tiny_cpu.json")
 
 
 if __name__ == "__main__":

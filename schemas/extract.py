@@ -1,0 +1,108 @@
+"""The extraction job's configuration: target, conversations, capture points, engine, output."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from schemas.capture import CapturePoint, parse_points
+from schemas.config import S3Config, Strict, TargetConfig
+from schemas.provenance import DType
+
+
+class SourceConfig(Strict):
+    uri: str = Field(description="conversations file: JSONL or Parquet, local or s3://")
+    format: Literal["auto", "jsonl", "parquet"] = "auto"
+
+
+class EngineConfig(Strict):
+    name: Literal["hf", "vllm", "sglang"] = Field(
+        "hf", description="hf: forward hooks; vllm: extract_hidden_states (CPU or GPU); sglang: GPU clusters")
+    dtype: DType = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="hf only")
+    batch_tokens: int = Field(16384, gt=0, description="tokens per forward batch (hf: padded)")
+    tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per extraction actor (vllm, sglang)")
+    max_model_len: int = Field(4096, gt=1, description="vllm/sglang context length; >= max_length + 1")
+
+
+class OutputConfig(Strict):
+    uri: str = Field(description="dataset directory: local path or s3://bucket/prefix")
+    rows_per_shard: int = Field(64, gt=0, description="source rows per unit; each unit is one shard")
+    dataset_id: str | None = None
+
+
+class RayConfig(Strict):
+    address: str | None = Field(None, description="None: RAY_ADDRESS if set, else a local Ray")
+    num_actors: int = Field(1, ge=1)
+    cpus_per_actor: float = Field(1.0, gt=0)
+    gpus_per_actor: float = Field(0, ge=0)
+    cpus_per_tokenize_task: float = Field(0.25, gt=0)
+
+
+class FingerprintConfig(Strict):
+    probe_samples: int = Field(16, ge=0, description="samples fingerprinted for validation (0: none)")
+    dim: int = Field(64, ge=8, description="random-projection width per token")
+    seed: int = 0
+
+
+class ExtractConfig(Strict):
+    target: TargetConfig
+    source: SourceConfig
+    output: OutputConfig
+    capture: list[CapturePoint] = Field(
+        default_factory=lambda: [
+            CapturePoint.layer_output(1),
+            CapturePoint.layer_output(2),
+            CapturePoint.layer_output(3),
+            CapturePoint.final("post"),
+        ],
+        description="typed capture points, e.g. ['layer_output:1', 'final:post_norm']",
+    )
+    max_length: int = Field(2048, gt=1)
+    length_policy: Literal["truncate", "drop"] = "truncate"
+    engine: EngineConfig = EngineConfig()
+    fingerprint: FingerprintConfig = FingerprintConfig()
+    ray: RayConfig = RayConfig()
+    s3: S3Config = S3Config()
+
+    @model_validator(mode="after")
+    def _engine_fits(self) -> ExtractConfig:
+        e = self.engine
+        if e.name == "hf" and e.tp_size > 1:
+            raise ValueError("engine.tp_size > 1 needs engine vllm or sglang; the hf engine splits a large target "
+                             "layer-wise over the actor's GPUs instead (set ray.gpus_per_actor)")
+        if e.tp_size > 1 and self.ray.gpus_per_actor != e.tp_size:
+            raise ValueError(f"ray.gpus_per_actor must equal engine.tp_size ({e.tp_size}): each extraction actor "
+                             f"hosts one tensor-parallel replica of the target, got {self.ray.gpus_per_actor}")
+        if e.name != "hf" and e.max_model_len < self.max_length + 1:
+            raise ValueError(f"engine.max_model_len {e.max_model_len} must exceed max_length {self.max_length}")
+        if e.name != "hf":
+            post = [str(p) for p in self.capture if p.kind == "final" and p.norm == "post"]
+            if post:
+                raise ValueError(f"engine {e.name} captures the residual stream only (pre-norm); it cannot capture "
+                                 f"{post}: drop it or use engine hf")
+        return self
+
+    @field_validator("capture", mode="before")
+    @classmethod
+    def _parse_capture(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v:
+            raise ValueError("must be a non-empty list of capture points")
+        out = []
+        for i, item in enumerate(v):
+            try:
+                out.extend(parse_points([item]))
+            except ValueError as e:
+                raise ValueError(f"item {i}: {e}") from None
+        return out
+
+    @field_validator("capture")
+    @classmethod
+    def _unique(cls, v: list[CapturePoint]) -> list[CapturePoint]:
+        seen = [str(p) for p in v]
+        dup = {s for s in seen if seen.count(s) > 1}
+        if dup:
+            raise ValueError(f"capture point listed twice: {sorted(dup)}")
+        return v

@@ -1,0 +1,85 @@
+"""The training job's configuration: dataset, target, draft, optimiser, DeepSpeed, export."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, field_validator
+
+from schemas.capture import CapturePoint, parse_points
+from schemas.config import S3Config, Strict, TargetConfig
+from schemas.provenance import DType, TrainDType
+
+
+class OptimConfig(Strict):
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = Field(20, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: float = Field(0.5, gt=0)
+
+
+class DeepSpeedConfig(Strict):
+    zero_stage: Literal[1, 2, 3] = 2
+    dtype: TrainDType = "bfloat16"
+    config_file: str | None = Field(
+        None, description="DeepSpeed JSON (e.g. infra/deepspeed/zero3-offload.json) merged over Strata's settings; "
+        "batch size, accumulation and clipping stay Strata's (they are part of the training plan)")
+
+
+class ExportConfig(Strict):
+    engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
+    engine_family: str = Field("auto", validation_alias=AliasChoices("engine_family", "sglang_family"),
+                               description="SGLang capture rule; auto = from the target's model_type")
+    engine_versions: dict[Literal["sglang", "vllm"], str] = Field(
+        default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)")
+    dtype: DType = "bfloat16"
+
+
+class HeldoutAcceptanceConfig(Strict):
+    """Acceptance of the finished draft on held-out prompts (prefixes of the dataset's probe
+    samples, never trained on), by Strata's reference speculative decoding on the target."""
+
+    prompts: int = Field(6, ge=0, description="0 skips the measurement (it loads the target once)")
+    speculative_tokens: int = Field(3, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+
+
+class TrainConfig(Strict):
+    dataset: str = Field(description="extracted dataset URI (local or s3://)")
+    target: TargetConfig
+    output: str = Field(description="run directory: checkpoints, metrics.jsonl, exported drafts")
+    aux: list[CapturePoint] | None = Field(None, description="aux slots; default: every residual point of the dataset")
+    draft_vocab_size: int = Field(32000, gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    loss_decay: float = Field(0.8, gt=0, le=1)
+    soft_target: Literal["draft_vocab", "full_vocab"] = Field(
+        "draft_vocab", description="draft_vocab: the target renormalised over the draft vocabulary (SpecForge, "
+        "EAGLE); full_vocab: its full-vocabulary probabilities of the draft tokens (positions weighted by the "
+        "target mass inside the draft vocab)")
+    batch_tokens: int = Field(4096, gt=0, description="padded tokens per worker per step")
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    eval_fraction: float = Field(0.05, ge=0, lt=1)
+    metrics_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    resume: Literal["latest", "none"] = "latest"
+    init_from: str | None = Field(
+        None, description="warm start: an exported draft directory (same target, capture points and draft shape); "
+        "its weights and draft vocab are the starting point")
+    seed: int = 0
+    optim: OptimConfig = OptimConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    num_workers: int = Field(2, ge=1)
+    cpus_per_worker: float = Field(1.0, gt=0)
+    use_gpu: bool = False
+    ray_address: str | None = None
+    export: ExportConfig = ExportConfig()
+    heldout_acceptance: HeldoutAcceptanceConfig = HeldoutAcceptanceConfig()
+    s3: S3Config = S3Config()
+
+    @field_validator("aux", mode="before")
+    @classmethod
+    def _parse_aux(cls, v: Any) -> Any:
+        return None if v is None else parse_points(v)
