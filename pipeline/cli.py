@@ -1,21 +1,71 @@
-"""The ``strata`` command line."""
+"""The ``strata`` command line.
+
+Exit codes (the same for every command and for ``jobs/*.py``):
+
+    0   done: extracted, trained, passed, promoted, or nothing new to do
+    1   an unexpected failure (a bug or a broken environment); ``-v`` shows the traceback
+    2   unusable input: a config, path, name or target that cannot be used as given -- an
+        unknown model type, an id list no reading rule maps, a file that does not exist
+    3   a verdict against: validation blocked, promotion refused, verification failed
+    75  another scheduler holds the retrain lease; try later (EX_TEMPFAIL)
+
+With ``--json`` stdout carries exactly one JSON document (on failure ``{"error": ...,
+"exit_code": ...}``); logs, progress bars and the engines' own output (vLLM, Ray, DeepSpeed,
+including their child processes) go to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import get_args
 
 from pipeline.conventions.releases import SGLANG_FAMILIES
+from pipeline.errors import UnusableInput
 from pipeline.registry.store import StoreUnavailable
+from schemas.capture import CapturePointError
 from schemas.config import ConfigError, S3Config
 from schemas.provenance import DType
 from schemas.registry import InvalidName
 
 log = logging.getLogger("strata")
 
+EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_BLOCKED = 3
+EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
+
+_json_out = None  # the real stdout while a --json command runs (see json_stdout)
+
+
+@contextmanager
+def json_stdout() -> Iterator[None]:
+    """For ``--json``: fd 1 points at stderr while the command runs, so whatever this process
+    and the processes it starts write there (vLLM's logger, Ray's worker logs) cannot land in
+    the JSON; ``print_json`` writes the one document to the real stdout."""
+    global _json_out
+    sys.stdout.flush()
+    real_stream, saved_fd = sys.stdout, os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout, _json_out = sys.stderr, real_stream
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved_fd, 1)
+        os.close(saved_fd)
+        sys.stdout, _json_out = real_stream, None
+
+
+def print_json(doc: str | dict | list) -> None:
+    out = _json_out or sys.stdout
+    out.write((doc if isinstance(doc, str) else json.dumps(doc, indent=1, default=str)) + "\n")
+    out.flush()
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -121,9 +171,6 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-EXIT_BLOCKED = 3
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     from pipeline.validate.job import ValidationInputError, run_validate
     from schemas.config import load_config
@@ -139,10 +186,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     try:
         r = run_validate(cfg)
     except ValidationInputError as e:
-        print(f"strata: cannot validate: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(f"strata: cannot validate: {e}", EXIT_USAGE, args.json)
     if args.json:
-        print(r.model_dump_json(indent=1))
+        print_json(r.model_dump_json(indent=1))
     else:
         from pipeline.validate.report import summary
 
@@ -170,12 +216,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
         print(f"promotion of {args.artifact[:16]} to {args.channel} refused:", file=sys.stderr)
         for r in e.reasons:
             print(f"  - {r}", file=sys.stderr)
+        if args.json:
+            print_json({"promoted": False, "channel": args.channel, "artifact": args.artifact, "reasons": e.reasons})
         return EXIT_BLOCKED
-    print(f"{args.channel} -> {ptr.artifact_digest} (record {ptr.record_id}; was {ptr.previous_digest})")
+    if args.json:
+        print_json({"promoted": True, **ptr.model_dump(mode="json")})
+    else:
+        print(f"{args.channel} -> {ptr.artifact_digest} (record {ptr.record_id}; was {ptr.previous_digest})")
     return 0
-
-
-EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
 
 
 def cmd_retrain(args: argparse.Namespace) -> int:
@@ -188,15 +236,20 @@ def cmd_retrain(args: argparse.Namespace) -> int:
     if args.no_ray:
         cfg = cfg.model_copy(update={"use_ray": False})
     if args.every:
+        if args.json:
+            return _fail("strata: error: --json prints one pass's record; it cannot go with --every", EXIT_USAGE, True)
         return run_forever(cfg, parse_every(args.every), progress=not args.no_progress)
     try:
         rec = run_retrain(cfg, progress=not args.no_progress)
     except LeaseHeld as e:
         print(f"strata retrain: not running: {e}", file=sys.stderr)
         return EXIT_LEASE_HELD
-    print(f"retrain {rec.run_id}: {rec.outcome}: {rec.message}")
-    for r in rec.reasons:
-        print(f"  - {r}")
+    if args.json:
+        print_json(rec.model_dump_json(indent=1))
+    else:
+        print(f"retrain {rec.run_id}: {rec.outcome}: {rec.message}")
+        for r in rec.reasons:
+            print(f"  - {r}")
     return EXIT_BLOCKED if rec.outcome in ("blocked", "refused") else 0
 
 
@@ -206,30 +259,37 @@ def cmd_registry(args: argparse.Namespace) -> int:
         from pipeline.validate.job import serving_for_channel
 
         spec = reg.create_channel(args.target, serving_for_channel(args.validate_config))
-        print(f"channel {spec.channel}: serving key {spec.serving.key} ({spec.serving.engine} {spec.serving.engine_version}, "
-              f"{spec.serving.dtype}, TP {spec.serving.tp_size})")
+        doc: object = spec.model_dump(mode="json")
+        text = [f"channel {spec.channel}: serving key {spec.serving.key} ({spec.serving.engine} "
+                f"{spec.serving.engine_version}, {spec.serving.dtype}, TP {spec.serving.tp_size})"]
     elif args.action == "add":
         m = reg.add_artifact(args.target)
-        print(f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})")
+        doc, text = m.model_dump(mode="json"), [f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})"]
     elif args.action == "ls":
-        for d in reg.artifacts():
-            m = reg.artifact(d)
-            print(f"{d[:16]}  {m.serving_engine:<7} {m.target.model_name:<20} aux {m.aux_layer_ids}  dataset {m.dataset_id}")
-        for c in reg.channels():
-            ptr, _ = reg.pointer(c)
-            print(f"channel {c:<12} -> {ptr.artifact_digest[:16] if ptr else '(empty)'}")
+        arts = {d: reg.artifact(d) for d in reg.artifacts()}
+        pointers = {c: reg.pointer(c)[0] for c in reg.channels()}
+        doc = {"artifacts": [m.model_dump(mode="json") for m in arts.values()],
+               "channels": {c: p.artifact_digest if p else None for c, p in pointers.items()}}
+        text = [f"{d[:16]}  {m.serving_engine:<7} {m.target.model_name:<20} aux {m.aux_layer_ids}  dataset {m.dataset_id}"
+                for d, m in arts.items()]
+        text += [f"channel {c:<12} -> {p.artifact_digest[:16] if p else '(empty)'}" for c, p in pointers.items()]
     elif args.action == "show":
         m = reg.artifact(args.target)
         if m is None:
-            print(f"strata: no artifact {args.target} in {reg.store.uri}", file=sys.stderr)
-            return EXIT_USAGE
-        print(m.model_dump_json(indent=1))
-        for r in reg.records(args.target):
-            print(f"record {r.record_id}: {r.decision} for serving {r.serving.key} ({r.serving.engine}) {r.reasons}")
+            return _fail(f"strata: no artifact {args.target} in {reg.store.uri}", EXIT_USAGE, args.json)
+        records = reg.records(args.target)
+        doc = {"artifact": m.model_dump(mode="json"), "records": [r.model_dump(mode="json") for r in records]}
+        text = [m.model_dump_json(indent=1)] + [f"record {r.record_id}: {r.decision} for serving {r.serving.key} "
+                                                 f"({r.serving.engine}) {r.reasons}" for r in records]
     else:
-        for e in reg.history(args.target):
-            print(f"{e.at}  {e.action:<14} {e.decision:<8} {e.channel or '-':<12} {(e.artifact_digest or '-')[:16]}  "
-                  f"{'; '.join(e.reasons)}  by {e.actor}")
+        events = reg.history(args.target)
+        doc = [e.model_dump(mode="json") for e in events]
+        text = [f"{e.at}  {e.action:<14} {e.decision:<8} {e.channel or '-':<12} {(e.artifact_digest or '-')[:16]}  "
+                f"{'; '.join(e.reasons)}  by {e.actor}" for e in events]
+    if args.json:
+        print_json(doc)
+    else:
+        print("\n".join(text))
     return 0
 
 
@@ -264,7 +324,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if problem:
         print(f"strata inspect: {args.dataset} FAILED verification: {problem}", file=sys.stderr)
     if args.json:
-        print(m.model_dump_json(indent=1))
+        print_json({"manifest": m.model_dump(mode="json"), "verified": args.verify, "problem": problem})
         return EXIT_BLOCKED if problem else 0
     t = m.totals
     print(f"dataset   {m.dataset_id}  (format v{m.format_version}, created {m.created_at})")
@@ -373,6 +433,7 @@ def _add_registry_commands(sub) -> None:
     s.add_argument("artifact", help="artifact content digest")
     s.add_argument("--channel", required=True)
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.add_argument("--json", action="store_true", help="print the new pointer (or the refusal) as JSON")
     s.set_defaults(func=cmd_promote)
 
     s = sub.add_parser("retrain", help="one pass: extract new rows, train, validate, promote through the gate; "
@@ -381,6 +442,7 @@ def _add_registry_commands(sub) -> None:
     s.add_argument("--every", help="repeat every interval (e.g. 6h) until SIGTERM")
     s.add_argument("--no-ray", action="store_true", help="extract and train in this process")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--json", action="store_true", help="print the pass's run record as JSON")
     s.set_defaults(func=cmd_retrain)
 
     s = sub.add_parser("registry", help="artifacts, channels and the audit log")
@@ -388,23 +450,30 @@ def _add_registry_commands(sub) -> None:
     s.add_argument("target", nargs="?", help="add: exported draft dir; show: digest; history/create-channel: channel")
     s.add_argument("--validate-config", help="create-channel: the validation config whose serving spec the channel deploys")
     s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_registry)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    try:
-        return args.func(args)
-    except (ConfigError, FileNotFoundError, InvalidName, StoreUnavailable) as e:
-        print(f"strata: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as e:  # one readable line, details with -v
-        if args.verbose:
-            raise
-        name = type(e).__name__
-        print(f"strata: {name}: {e}", file=sys.stderr)
-        return 1
+    as_json = getattr(args, "json", False)
+    with json_stdout() if as_json else nullcontext():
+        try:
+            return args.func(args)
+        except (ConfigError, UnusableInput, CapturePointError, FileNotFoundError, InvalidName, StoreUnavailable) as e:
+            return _fail(f"strata: error: {e}", EXIT_USAGE, as_json)
+        except Exception as e:  # one readable line, details with -v
+            if args.verbose:
+                raise
+            return _fail(f"strata: {type(e).__name__}: {e}", EXIT_ERROR, as_json)
+
+
+def _fail(message: str, code: int, as_json: bool) -> int:
+    print(message, file=sys.stderr)
+    if as_json:
+        print_json({"error": message.removeprefix("strata: "), "exit_code": code})
+    return code
 
 
 if __name__ == "__main__":

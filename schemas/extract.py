@@ -39,6 +39,12 @@ class RayConfig(Strict):
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
     cpus_per_tokenize_task: float = Field(0.25, gt=0)
+    writer_threads: int | None = Field(
+        None, ge=1, description="threads per capture actor that compress and write byte planes while the engine "
+        "computes the next batch; None: one per CPU the actor holds beyond the first, at least one")
+
+    def writer_threads_per_actor(self) -> int:
+        return self.writer_threads or max(1, round(self.cpus_per_actor) - 1)
 
 
 class FingerprintConfig(Strict):

@@ -83,3 +83,13 @@ class TrainConfig(Strict):
     @classmethod
     def _parse_aux(cls, v: Any) -> Any:
         return None if v is None else parse_points(v)
+
+    @field_validator("aux")
+    @classmethod
+    def _servable_aux(cls, v: list[CapturePoint] | None) -> list[CapturePoint] | None:
+        post = [str(p) for p in v or [] if p.kind == "final" and p.norm == "post"]
+        if post:
+            raise ValueError(f"{post[0]} is the post-norm final state (what the LM head reads): no serving engine "
+                             "feeds it to a draft, so a draft trained on it cannot be served. Use final:pre_norm "
+                             "or a layer output")
+        return v

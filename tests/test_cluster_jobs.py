@@ -50,7 +50,6 @@ def test_extract_train_validate_promote_through_ray_job_submit(ray_cluster, tiny
 
     (tmp_path / "validate.yaml").write_text(json.dumps({
         "artifact": str(art), "acceptance_prompts": 1, "max_new_tokens": 8,
-        "tolerances": {"acceptance_vs_predicted": 0.0},
         "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
     from pipeline.cli import main as strata
 

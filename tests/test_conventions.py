@@ -78,7 +78,7 @@ def test_vllm_reads_r_labels_sorted_and_deduplicated(n):
     assert cv.aux_ids_for([E, PRE], "vllm", n) == [0, n]
     with pytest.raises(cv.ConventionError, match="ascending layer order, each once"):
         cv.aux_ids_for([O(3), O(1)], "vllm", n)
-    with pytest.raises(cv.ConventionError, match="pre-norm"):
+    with pytest.raises(cv.ConventionError, match="the post-norm final state .* before the final norm"):
         cv.aux_ids_for([POST], "vllm", n)
 
 

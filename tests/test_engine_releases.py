@@ -82,7 +82,7 @@ def test_sglang_feeds_loop_order_each_once(family):
 def test_gpt_oss_rule_changed_at_0_5_17():
     # <= 0.5.16: +1 always; >= 0.5.17: as-is when max(ids) == num_layers
     assert cv.points_read_from([1, 30, N], "sglang", N, "gpt_oss", "0.5.17") == loop(1, 30, N)  # r_N: pre-norm final
-    with pytest.raises(cv.ConventionError, match="r_62, which does not exist"):
+    with pytest.raises(cv.ConventionError, match=r"r_62 \(no such boundary: the target has 61 layers\)"):
         cv.points_read_from([1, 30, N], "sglang", N, "gpt_oss", "0.5.16")
     with pytest.raises(cv.ConventionError, match="pre-norm final state"):
         cv.aux_ids_for(loop(1, 30, N), "sglang", N, "gpt_oss", "0.5.16")

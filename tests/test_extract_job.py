@@ -162,7 +162,7 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
 @pytest.mark.parametrize("edit, needle", [
     (lambda c: c.update(capture=["layer_output:5", "final:pre_norm"]), "name the same tensor (r_6)"),
     (lambda c: (c["engine"].update(name="sglang"), c.update(capture=["layer_output:1", "final:pre_norm"])),
-     "engine sglang cannot capture final:pre_norm (r_6)"),
+     "engine sglang cannot capture final:pre_norm, the pre-norm final state (r_6), on this target"),
 ])
 def test_plans_that_would_fail_later_are_refused_up_front(tiny_target, source, tmp_path, edit, needle):
     from pipeline.extract.job import ExtractionError

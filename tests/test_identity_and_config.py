@@ -21,6 +21,27 @@ def test_identity_digests_and_key(tiny_target, tmp_path):
     assert c.key != a.key and [d.split(":")[0] for d in a.differences(c)] == ["chat_template"]
 
 
+def test_a_multimodal_wrapper_is_read_through_its_text_config(tiny_target, tmp_path):
+    """Kimi-K2.5-style wrappers put the text model (a DeepSeek-V3 here) under ``text_config``:
+    its layer count, width and model type decide, not the wrapper's top level."""
+    import json
+
+    from pipeline import conventions
+    from pipeline.draft.model import DraftConfig
+    from pipeline.identity import target_config
+
+    wrapped = shutil.copytree(tiny_target, tmp_path / "wrapped")
+    text = {**json.loads((tiny_target / "config.json").read_text()), "model_type": "deepseek_v3"}
+    (wrapped / "config.json").write_text(json.dumps({"model_type": "some_vlm_wrapper", "num_hidden_layers": 27,
+                                                     "hidden_size": 1152, "text_config": text}))
+    ident = target_identity(wrapped)
+    assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (6, 64, text["vocab_size"])
+    cfg = target_config(wrapped)
+    assert conventions.engine_family("sglang", cfg) == conventions.engine_family("vllm", cfg) == "deepseek_v2"
+    draft = DraftConfig.from_target(cfg, 3, 256)
+    assert draft.hidden_size == draft.target_hidden_size == 64
+
+
 def test_weight_digest_is_cached_by_path_size_mtime(tmp_path):
     f = tmp_path / "w.safetensors"
     f.write_bytes(b"a" * 1000)

@@ -101,6 +101,39 @@ def test_bf16_compresses_below_072(tiny_target, tmp_path):
     assert nbytes / (T * H * 2) <= 0.72
 
 
+def test_parallel_writer_threads_write_the_same_shard(tmp_path):
+    """Writer threads compress a row group's cells in parallel: the shard (and so its checksum
+    and the unit's commit record) is byte-identical to a single thread's."""
+    H, B = 512, 6
+    g = torch.Generator().manual_seed(1)
+    prov = TensorProvenance(capture_point=C.layer_output(1), boundary="r_2", dtype="bfloat16", hidden_size=H,
+                            encoding="byte_planes_v1", engine=EngineRef(name="hf", version="x", native_id=2,
+                            native_id_convention="hf_hidden_states_index"), target_model="t", target_key="k")
+    schema = dataset_schema([prov], "{}", "{}", {})
+    lengths = [37, 5, 120, 64, 9, 80]
+    metas = [SampleMeta(f"s{i}", "src", i, "c", list(range(n)), [1] * n) for i, n in enumerate(lengths)]
+    x = torch.randn(sum(lengths), H, generator=g).to(torch.bfloat16)
+    digests = []
+    for threads in (1, 4):
+        fs, path = resolve(str(tmp_path / f"t{threads}.parquet"))
+        w = ShardWriter(fs, path, schema, compress_threads=threads)
+        for half in (slice(0, B // 2), slice(B // 2, B)):
+            rows = lengths[half]
+            start = sum(lengths[: half.start])
+            w.write(metas[half], rows, {"layer_output:1": split_planes(x[start : start + sum(rows)]).numpy()})
+        digests.append(w.commit())
+    assert digests[0] == digests[1]
+    assert (tmp_path / "t1.parquet").read_bytes() == (tmp_path / "t4.parquet").read_bytes()
+
+
+def test_writer_threads_default_from_the_actors_cpus():
+    from schemas.extract import RayConfig
+
+    assert RayConfig().writer_threads_per_actor() == 1
+    assert RayConfig(cpus_per_actor=4).writer_threads_per_actor() == 3
+    assert RayConfig(cpus_per_actor=4, writer_threads=8).writer_threads_per_actor() == 8
+
+
 def test_uncommitted_shard_is_invisible(tiny_target, tmp_path):
     prov = TensorProvenance(capture_point=C.layer_output(1), boundary="r_2", dtype="float32", hidden_size=8,
                             encoding="byte_planes_v1", engine=EngineRef(name="hf", version="x", native_id=2,

@@ -198,6 +198,17 @@ def test_probe_samples_are_never_trained_on(tiny_target, dataset, tmp_path):
     assert len(trained) + len(held) == 160
 
 
+def test_a_post_norm_aux_slot_is_refused_before_training(tiny_target, dataset, tmp_path):
+    """No engine feeds the post-norm final state to a draft: refused when the config is read,
+    long before a run that could never be served."""
+    from schemas.config import ConfigError, validate_config
+
+    raw = train_cfg(tiny_target, dataset, tmp_path / "run", aux=["layer_output:1", "layer_output:2", "final:post_norm"])
+    with pytest.raises(ConfigError, match=r"aux: .*final:post_norm is the post-norm final state .* cannot be served"):
+        validate_config(raw, TrainConfig)
+    assert not (tmp_path / "run").exists()
+
+
 def test_refuses_other_target(tiny_target, dataset, tmp_path):
     from pipeline.tiny import make_tiny_target
 

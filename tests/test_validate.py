@@ -24,11 +24,6 @@ def validate(run_dir, tiny_target, tmp_path, engine="vllm", config_edit=None, ta
         draft_cfg = config_edit(draft_cfg)
     p = tmp_path / f"draft-config-{len(list(tmp_path.iterdir()))}.json"
     p.write_text(json.dumps(draft_cfg))
-    # The tiny random target's free-running greedy text drifts from its training text, so its
-    # measured acceptance sits far below teacher-forced accuracy: the comparison is off here
-    # (values are the primary guard) and tested on its own below.
-    kw.setdefault("tolerances", {})
-    kw["tolerances"] = {"acceptance_vs_predicted": 0.0, **kw["tolerances"]}
     kw.setdefault("acceptance_prompts", 2)
     serving = {"engine": kw.pop("serving_engine", engine), "dtype": kw.pop("dtype", "float32"),
                "target": {"path": str(target or tiny_target)}, "draft_config": str(p),
@@ -216,23 +211,31 @@ def test_acceptance_below_floor_blocks(run_dir, tiny_target, tmp_path):
     assert all(s.ok for s in r.slots) and r.acceptance["lossless"]
 
 
-def test_acceptance_far_below_training_prediction_blocks(run_dir, tiny_target, tmp_path):
-    """Training claimed 99% per-position accuracy (predicts ~2.94 accepted of k=3): far off."""
+def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_target, tmp_path):
+    """The artifact says that at training, on 600 verify steps of held-out prompts, the draft
+    accepted 0.99/0.98/0.97 per position (2.94 per step): the same measurement here is far below
+    that beyond any noise, with the values fed exactly as trained."""
     art = tmp_path / "claims"
     shutil.copytree(run_dir / "export" / "vllm", art)
     m = json.loads((art / "strata_artifact.json").read_text())
-    m["metrics"]["eval"]["acc_per_pos"] = [0.99, 0.99, 0.99]
+    m["metrics"]["heldout_acceptance"].update(acceptance_per_pos=[0.99, 0.98, 0.97], accepted_per_step=2.94,
+                                               mean_acceptance_length=3.94, verify_steps=600, k=3)
     (art / "strata_artifact.json").write_text(json.dumps(m))
-    # A stricter ratio than the default 0.33: on two prompts the tiny draft's measured acceptance
-    # varies from run to run (one CI run reached the default bound of 0.97 accepted per step); at
-    # 0.9 only a near-perfect draft (2.65 of 3 per step) would meet the claim.
+    # Six prompts of 32 tokens: enough verify steps that the noise allowance leaves room to judge.
     r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": 2, "tolerances": {"acceptance_vs_predicted": 0.9},
+        "artifact": str(art), "acceptance_prompts": 6, "max_new_tokens": 32,
         "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
-    assert r.acceptance["predicted_accepted_per_step"] == pytest.approx(0.99 + 0.99**2 + 0.99**3)
-    print("measured accepted per step:", r.acceptance.get("accepted_per_step"))
-    blocked(r, "far below the 2.94 training accuracy predicts")
+    vs = r.acceptance["vs_heldout"]
+    print("vs held-out:", vs)
+    assert vs["gated"] and vs["heldout"] == pytest.approx(2.94) and vs["measured"] < vs["threshold"]
+    blocked(r, "below 0.5 x the 2.94 measured at training on held-out prompts")
     assert all(s.ok for s in r.slots)
+
+
+def test_the_old_acceptance_tolerance_is_refused_with_its_replacement():
+    with pytest.raises(ValueError, match="replaced by acceptance_vs_heldout"):
+        ValidateConfig.model_validate({"artifact": "/a", "tolerances": {"acceptance_vs_predicted": 0.3},
+                                       "serving": {"engine": "vllm", "target": {"path": "/t"}}})
 
 
 # -- output and exit codes -------------------------------------------------------------------------
@@ -246,8 +249,7 @@ def test_cli_exit_codes_json_and_report(run_dir, tiny_target, tmp_path, capsys):
         (tmp_path / "c.json").write_text(json.dumps(c))
         p = tmp_path / f"validate-{ids[0]}.yaml"
         p.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {
-            "path": str(tiny_target)}, "draft_config": str(tmp_path / "c.json")}, "acceptance_prompts": 2,
-            "tolerances": {"acceptance_vs_predicted": 0.0}}))
+            "path": str(tiny_target)}, "draft_config": str(tmp_path / "c.json")}, "acceptance_prompts": 2}))
         return str(p)
 
     assert strata(["validate", "--config", cfg([2, 3, 4]), "--json"]) == 0
@@ -271,8 +273,7 @@ def test_validation_records_gate_promotion(run_dir, tiny_target, tmp_path, capsy
     art = run_dir / "export" / "vllm"
     good = tmp_path / "good.yaml"
     good.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32",
-                                "target": {"path": str(tiny_target)}}, "acceptance_prompts": 1,
-                                "tolerances": {"acceptance_vs_predicted": 0.0}}))
+                                "target": {"path": str(tiny_target)}}, "acceptance_prompts": 1}))
     assert strata(["registry", "create-channel", "production", "--validate-config", str(good), "--registry", reg]) == 0
     digest = json.loads((art / "strata_artifact.json").read_text())["content_digest"]
     assert strata(["registry", "add", str(art), "--registry", reg]) == 0

@@ -101,7 +101,7 @@ def served(trained_run, tiny_target, tmp_path, config_edit=None, serving=None, *
     p.write_text(json.dumps(cfg))
     return run_validate(ValidateConfig.model_validate({
         "artifact": str(art), "acceptance_prompts": kw.pop("acceptance_prompts", 6), "max_new_tokens": 16,
-        "speculative_tokens": 3, "tolerances": {"acceptance_vs_predicted": 0.0}, "cost": kw.pop("cost", False),
+        "speculative_tokens": 3, "cost": kw.pop("cost", False),
         "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512,
                     "target": {"path": str(tiny_target)}, "draft_config": str(p), **(serving or {})}, **kw}))
 

@@ -78,10 +78,17 @@ def all_boundaries(num_layers: int) -> list[CapturePoint]:
     return [boundary_point(k, num_layers) for k in range(num_layers + 1)] + [CapturePoint.final("post")]
 
 
+def describe_point(point: CapturePoint, num_layers: int) -> str:
+    """A capture point in words, for messages: 'the embedding (r_0)', 'the output of layer 2 (r_3)'."""
+    k = point.boundary(num_layers)
+    return "the post-norm final state (final_post, what the LM head reads)" if k is None else releases.describe(k, num_layers)
+
+
 def _r(point: CapturePoint, num_layers: int, tool: str) -> int:
     k = point.boundary(num_layers)
     if k is None:
-        raise ConventionError(f"{tool} cannot capture {point}: it only captures the residual stream (pre-norm)")
+        raise ConventionError(f"{tool} cannot feed a draft {describe_point(point, num_layers)}: it feeds residual-"
+                              "stream states before the final norm (the embedding or a layer's output)")
     return k
 
 

@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from pipeline.errors import UnusableInput
+
 Engine = Literal["vllm", "sglang"]
 Runner = Literal["v1", "v2"]
 # How an explicit id list becomes loop indices / boundaries (r_k):
@@ -71,7 +73,7 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 NEWEST = "newest"
 
 
-class ConventionError(ValueError):
+class ConventionError(UnusableInput):
     """A capture point an engine cannot produce, or an id list it cannot mean."""
 
 
@@ -269,7 +271,7 @@ def describe(k: int, n: int) -> str:
         return f"the pre-norm final state (r_{n})"
     if 0 < k < n:
         return f"the output of layer {k - 1} (r_{k})"
-    return f"r_{k}, which does not exist for {n} layers"
+    return f"r_{k} (no such boundary: the target has {n} layers)"
 
 
 def ids_to_write(rule: ReadingRule, rs: Sequence[int], n: int) -> list[int]:
@@ -281,7 +283,7 @@ def ids_to_write(rule: ReadingRule, rs: Sequence[int], n: int) -> list[int]:
     rs = list(rs)
     if rs != sorted(set(rs)):
         raise ConventionError(f"{rule.engine} feeds aux states in ascending layer order, each once: the draft's slots "
-                         f"{[f'r_{k}' for k in rs]} must be ascending and distinct")
+                              f"({'; '.join(describe(k, n) for k in rs)}) must be ascending and distinct")
     if rule.id_rule == "ignored":
         candidates: list[list[int]] = [[]]
     elif rule.id_rule == "as_is":

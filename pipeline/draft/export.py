@@ -24,6 +24,7 @@ from pipeline.conventions import releases
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.draft.target_head import load_embedding
 from pipeline.dtypes import torch_dtype
+from pipeline.errors import UnusableInput
 from schemas.artifact import (
     ARTIFACT_CONFIG,
     ARTIFACT_FINGERPRINTS,
@@ -38,7 +39,7 @@ from schemas.identity import TargetIdentity
 WEIGHTS = ARTIFACT_WEIGHTS
 
 
-class ExportError(ValueError):
+class ExportError(UnusableInput):
     pass
 
 

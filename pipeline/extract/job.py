@@ -13,14 +13,16 @@ import platform
 import time
 
 import pyarrow as pa
+import torch
 from tqdm import tqdm
 
 import pipeline
 from pipeline import fingerprint
 from pipeline.cluster import init_ray
-from pipeline.conventions import boundary_label
+from pipeline.conventions import boundary_label, describe_point
 from pipeline.data.source import scan_source
 from pipeline.engines import engine_ref, open_engine
+from pipeline.errors import UnusableInput
 from pipeline.extract import layout
 from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
@@ -37,13 +39,12 @@ from schemas.provenance import TensorProvenance
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 120.0  # renewed every 40 s; a crashed holder on this host is taken over at once
 
-class ExtractionError(RuntimeError):
+class ExtractionError(UnusableInput):
     pass
 
 
 def software_versions() -> dict[str, str]:
     import pyarrow
-    import torch
     import transformers
 
     out = {
@@ -92,7 +93,7 @@ def check_plan(cfg: ExtractConfig, identity: TargetIdentity) -> None:
     if cfg.engine.name != "hf":
         for p in cfg.capture:
             if engine_ref(cfg, p, n).native_id is None:
-                raise ExtractionError(f"engine {cfg.engine.name} cannot capture {p} ({boundary_label(p, n)}) on this "
+                raise ExtractionError(f"engine {cfg.engine.name} cannot capture {p}, {describe_point(p, n)}, on this "
                                       f"target: drop it or use engine hf")
     if identity.chat_template_sha256 is None:
         raise ExtractionError(f"target {cfg.target.path} has no chat template (chat_template.jinja or "
@@ -244,7 +245,6 @@ def _cleanup_tmp(fs, root: str) -> None:
 def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
     import ray
 
-
     init_ray(cfg.ray.address)
     cfg_json = cfg.model_dump_json()
 
@@ -275,7 +275,7 @@ def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], pr
 
 
 def _run_in_process(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
-    actor = CaptureActor(cfg.model_dump_json(), schema)
+    actor = CaptureActor(cfg.model_dump_json(), schema, in_ray=False)
     try:
         for item in tqdm(payload, desc="extract", unit="shard", disable=not progress):
             tu = tokenize_unit(cfg, item["unit"], item["start"], item["rows"])
@@ -287,11 +287,14 @@ def _run_in_process(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], 
 class CaptureActor:
     """Ray Data actor: loads the engine once, then commits one unit per call."""
 
-    def __init__(self, cfg_json: str, schema: pa.Schema):
+    def __init__(self, cfg_json: str, schema: pa.Schema, in_ray: bool = True):
         cfg = ExtractConfig.model_validate_json(cfg_json)
+        if in_ray and not cfg.ray.gpus_per_actor:
+            # Ray sets one OMP thread for a fractional or 1-CPU actor; compute with what it holds.
+            torch.set_num_threads(max(1, round(cfg.ray.cpus_per_actor)))
         engine = open_engine(cfg)
         self.engine = engine
-        self.writer = UnitWriter(cfg, schema, engine)
+        self.writer = UnitWriter(cfg, schema, engine, compress_threads=cfg.ray.writer_threads_per_actor())
 
     def close(self) -> None:
         """Release the engine (vLLM/SGLang run their own processes)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from pipeline.errors import UnusableInput
 from pipeline.identity import target_identity
 from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.registry import PromotionRefused, Registry
@@ -37,7 +38,7 @@ from schemas.retrain import RetrainConfig, RunRecord
 log = logging.getLogger(__name__)
 
 
-class RetrainError(RuntimeError):
+class RetrainError(UnusableInput):
     pass
 
 

@@ -15,6 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.errors import UnusableInput
 from pipeline.store.encoding import bits_to_torch, decompress_plane, join_planes
 from pipeline.store.fs import exists, join, read_bytes, resolve
 from schemas.capture import CapturePoint, parse_points
@@ -24,7 +25,7 @@ from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord
 from schemas.provenance import DTYPE_BYTES, TensorProvenance
 
 
-class ProvenanceMismatch(ValueError):
+class ProvenanceMismatch(UnusableInput):
     """The data is not what the caller expects (other target, other capture points)."""
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from pipeline import conventions
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
+from pipeline.errors import UnusableInput
 from pipeline.fingerprint import Fingerprints, projection, sketch
 from pipeline.identity import target_config, target_identity
 from pipeline.registry.registry import Registry
@@ -48,7 +49,7 @@ from schemas.validation import SlotCheck, ValidateConfig, ValidationReport
 log = logging.getLogger(__name__)
 
 
-class ValidationInputError(ValueError):
+class ValidationInputError(UnusableInput):
     """The artifact or serving spec cannot be validated (exit code 2)."""
 
 
@@ -326,10 +327,12 @@ def _acceptance_reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
     if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
         reasons.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor "
                        f"{cfg.tolerances.acceptance_floor}")
-    pred = accept.get("predicted_accepted_per_step")
-    if pred and accept["accepted_per_step"] < cfg.tolerances.acceptance_vs_predicted * pred:
-        reasons.append(f"accepted tokens per step {accept['accepted_per_step']:.2f} is far below the "
-                       f"{pred:.2f} training accuracy predicts")
+    vs = accept["vs_heldout"] = acceptance.versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
+    if vs.get("low"):
+        reasons.append(f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
+                       f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
+                       f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
+                       "serve the draft as it was trained")
     if not accept["lossless"] and cfg.serving.dtype == "float32":
         reasons.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
     elif not accept["lossless"]:

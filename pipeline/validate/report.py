@@ -40,7 +40,12 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
         if "mean_acceptance_length" in held:
             lines.append(f"{indent}  at training (held-out prompts, {held['measured_by']}): mean length "
                          f"{held['mean_acceptance_length']:.2f}; training accuracy predicted "
-                         f"{acceptance_length(held.get('predicted_accepted_per_step') or 0):.2f}")
+                         f"{acceptance_length(held.get('predicted_accepted_per_step') or 0):.2f} (reported, not gated)")
+        vs = a.get("vs_heldout") or {}
+        if "measured" in vs:
+            lines.append(f"{indent}  vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at "
+                         f"training (first {vs['k']} positions; gate threshold {vs['threshold']:.2f}"
+                         f"{'' if vs['gated'] else ', not gated: ' + vs.get('why', '')})")
     lines += [f"{indent}- {x}" for x in r.reasons]
     if r.cost is not None:
         lines.append(f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "
