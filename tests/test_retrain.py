@@ -53,7 +53,7 @@ def convs():
     return make_conversations(70)
 
 
-def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
+def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, capsys):
     src = tmp_path / "conv.jsonl"
     write_rows(src, convs[:50])
     cfg = retrain_config(tmp_path, tiny_target, src)
@@ -111,7 +111,11 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path):
     assert m5.parents == [] and not any(s.inherited_from for s in m5.shards) and m5.totals.rows == 62
     assert {c.dtype for c in m5.columns} == {"bfloat16"}
     assert sum(1 for _ in DatasetReader(versions.version_uri(lineage, 3)).iter_samples()) == 62
-    assert run_retrain(bf16, progress=False).outcome == "noop"
+    # The same pass through the CLI: its run record is the one JSON document on stdout.
+    (tmp_path / "retrain-bf16.yaml").write_text(bf16.model_dump_json(by_alias=True))
+    assert strata(["retrain", "--config", str(tmp_path / "retrain-bf16.yaml"), "--no-progress", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["outcome"] == "noop" and rec["dataset_version"] == 3 and not rec["trained"]
 
     # A new target revision: everything is extracted again into its own lineage, trained from
     # scratch, and the channel (bound to the old target) refuses it.

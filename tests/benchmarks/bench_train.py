@@ -57,6 +57,17 @@ def make_model(cfg: DraftConfig, device, dtype) -> Eagle3Draft:
     return m.to(device=device, dtype=dtype)
 
 
+def plain_step(model: Eagle3Draft, opt: torch.optim.Optimizer, ttt: int):
+    """One plain-torch training step of the draft (the baseline DeepSpeed is measured against)."""
+    def step(aux, ids, tb):
+        out = model(aux, ids, tb, steps=ttt)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return step
+
+
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -81,15 +92,7 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
 
     plain = make_model(cfg, device, dtype)
     opt = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-4)
-
-    def plain_step(aux, ids, tb):
-        out = plain(aux, ids, tb, steps=ttt)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
-        opt.step()
-
-    plain_tps = run(plain_step)
+    plain_tps = run(plain_step(plain, opt, ttt))
 
     if not torch.distributed.is_initialized():
         with socket.socket() as s:

@@ -1,0 +1,252 @@
+"""The GPU box benchmark (not a test): needs only torch, transformers and pyarrow -- GPU boxes
+may lack Ray, DeepSpeed, vLLM, zstandard and pydantic, and have no network. Prints and saves
+JSON; every figure is a ratio against a baseline measured in the same run.
+
+1. extraction: a random-init Llama of the given shape over conversations of realistic,
+   variable lengths (sorted into token-budget batches). Baseline: the bare forward. Measured:
+   the same forward with hooks on the EAGLE-3 aux boundaries and the final norm, the valid
+   tokens packed and split into byte planes on the device, one pinned device-to-host copy
+   per batch, and ``writers`` threads writing byte-plane Parquet shards (exponent plane zstd,
+   mantissa planes raw, as Strata's byte_planes_v1) with fsync, overlapped with the next
+   forward. Goal on an H200 at the 8B shape: capture >= 0.90 of the bare forward.
+2. draft step: Strata's EAGLE-3 draft (``pipeline.draft.model``, torch only) trained in plain
+   torch with the TTT unroll of ``--ttt`` steps, against one unrolled step (the TTT cost).
+
+    python tests/benchmarks/bench_gpu.py --out $OUT/gpu.json                      # H200, 8B, bf16
+    python tests/benchmarks/bench_gpu.py --shape tiny --device cpu --out gpu.json # CI smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import queue
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from _results import save_result  # noqa: E402
+from bench_train import make_model, plain_step, sync, synthetic_batches  # noqa: E402
+
+from pipeline.draft.model import DraftConfig  # noqa: E402  (torch only)
+
+SHAPES = {  # hidden, layers, intermediate, heads, kv heads, vocab, conversations, batch tokens
+    "tiny": (64, 4, 128, 4, 2, 512, 24, 2048),
+    "mid": (1024, 8, 2816, 16, 8, 32000, 200, 16384),
+    "llama-8b": (4096, 32, 14336, 32, 8, 128256, 400, 65536),
+}
+
+
+def conversation_lengths(n: int, seed: int = 0, cap: int = 2048) -> list[int]:
+    """Chat-like lengths: lognormal around ~600 tokens, 32..cap."""
+    rng = np.random.default_rng(seed)
+    return [int(x) for x in np.clip(rng.lognormal(6.2, 0.8, n), 32, cap)]
+
+
+def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Longest first; each batch's padded size (count x longest) within the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    return out + ([cur] if cur else [])
+
+
+def build_target(shape: str, device: torch.device, dtype: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    h, layers, inter, heads, kv, vocab, *_ = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=4096,
+                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(dtype)
+    return model.eval()
+
+
+def padded(batch: list[int], lengths: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(lengths[i] for i in batch)
+    g = torch.Generator().manual_seed(batch[0])
+    ids = torch.randint(0, vocab, (len(batch), longest), generator=g)
+    mask = torch.zeros(len(batch), longest, dtype=torch.long)
+    for r, i in enumerate(batch):
+        mask[r, : lengths[i]] = 1
+    return ids.to(device), mask.to(device)
+
+
+class PlaneWriters:
+    """``n`` threads, each appending row groups to its own Parquet shard: the exponent plane as
+    one zstd frame per sample, mantissa planes raw (byte_planes_v1's layout)."""
+
+    def __init__(self, n: int, out_dir: Path, points: list[str], nbytes: int):
+        self.q: queue.Queue = queue.Queue(maxsize=2 * n)
+        names = [f"{p}#b{k}" for p in points for k in range(nbytes)]
+        self.schema = pa.schema([pa.field("num_tokens", pa.int32())] + [pa.field(c, pa.large_binary()) for c in names])
+        self.points, self.nbytes, self.bytes, self.busy_s = points, nbytes, 0, 0.0
+        self.threads = [threading.Thread(target=self._run, args=(out_dir / f"shard-{i}.parquet",), daemon=True)
+                        for i in range(n)]
+        self._lock = threading.Lock()
+        for t in self.threads:
+            t.start()
+
+    def _run(self, path: Path) -> None:
+        codec = pa.Codec("zstd", compression_level=1)
+        with open(path, "wb") as f:
+            w = pq.ParquetWriter(f, self.schema, compression="none", use_dictionary=False, data_page_size=64 << 20)
+            while (item := self.q.get()) is not None:
+                t0 = time.perf_counter()
+                lengths, planes = item
+                offs = np.concatenate([[0], np.cumsum(lengths)])
+                cols = {"num_tokens": pa.array(lengths, pa.int32())}
+                size = 0
+                for p in self.points:
+                    for k in range(self.nbytes):
+                        cells = [planes[p][k][offs[i]:offs[i + 1]].tobytes() for i in range(len(lengths))]
+                        if k == self.nbytes - 1:
+                            cells = [codec.compress(c, asbytes=True) for c in cells]
+                        size += sum(map(len, cells))
+                        cols[f"{p}#b{k}"] = pa.array(cells, pa.large_binary())
+                w.write_table(pa.table(cols, schema=self.schema))
+                with self._lock:
+                    self.bytes += size
+                    self.busy_s += time.perf_counter() - t0
+            w.close()
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.q.put(None)
+        for t in self.threads:
+            t.join()
+
+
+def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, writers: int, repeats: int) -> dict:
+    model = build_target(shape, device, dtype)
+    *_, n_conv, budget = SHAPES[shape]
+    lengths = conversation_lengths(n_conv)
+    batches = token_batches(lengths, budget)
+    layers, norm, n = model.model.layers, model.model.norm, len(model.model.layers)
+    # r_2, r_N/2, r_N-3 (the EAGLE-3 defaults) as the inputs of those layers: written out here
+    # because pipeline.conventions needs pydantic, which a GPU box may lack.
+    aux = [2, n // 2, n - 3]
+    points = [f"r_{k}" for k in aux] + ["final_post"]
+    vocab = model.config.vocab_size
+
+    @torch.no_grad()
+    def bare() -> None:
+        for b in batches:
+            ids, mask = padded(b, lengths, vocab, device)
+            model.model(input_ids=ids, attention_mask=mask)
+        sync(device)
+
+    @torch.no_grad()
+    def capture(out_dir: Path) -> dict:
+        store: dict[str, torch.Tensor] = {}
+        hooks = [layers[k].register_forward_pre_hook(
+            lambda _m, args, kw, k=k: store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
+            with_kwargs=True) for k in aux]
+        hooks.append(norm.register_forward_hook(lambda _m, _a, out: store.__setitem__("final_post", out)))
+        pool = PlaneWriters(writers, out_dir, points, torch.tensor([], dtype=dtype).element_size())
+        try:
+            for b in batches:
+                ids, mask = padded(b, lengths, vocab, device)
+                model.model(input_ids=ids, attention_mask=mask)
+                valid = mask.bool()
+                host = {}
+                for p in points:
+                    x = store[p][valid].contiguous()            # [sum T, H]: the valid tokens only
+                    planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
+                    buf = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                    buf.copy_(planes, non_blocking=True)
+                    host[p] = buf
+                sync(device)
+                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}))
+        finally:
+            for h in hooks:
+                h.remove()
+            pool.close()
+        return {"bytes": pool.bytes, "writer_busy_s": pool.busy_s}
+
+    real = sum(lengths)
+    bare()  # warm-up
+    runs = {"bare_forward": [], "capture": []}
+    written: dict = {}
+    for _ in range(repeats):  # A/B alternated
+        t0 = time.perf_counter()
+        bare()
+        runs["bare_forward"].append(real / (time.perf_counter() - t0))
+        with tempfile.TemporaryDirectory(prefix="strata-gpu-bench-") as d:
+            t0 = time.perf_counter()
+            written = capture(Path(d))
+            runs["capture"].append(real / (time.perf_counter() - t0))
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    return {"shape": shape, "conversations": n_conv, "real_tokens": real,
+            "padded_tokens": sum(len(b) * max(lengths[i] for i in b) for b in batches), "batches": len(batches),
+            "points": points, "writers": writers, "tokens_per_s": runs, "median_tokens_per_s": med,
+            "capture_over_bare": med["capture"] / med["bare_forward"], "goal": 0.90,
+            "written_bytes_last_run": written.get("bytes"), "writer_busy_s_last_run": written.get("writer_busy_s")}
+
+
+def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int) -> dict:
+    h, _, inter, heads, kv, vocab, *_ = SHAPES[shape]
+    cfg = DraftConfig(hidden_size=h, target_hidden_size=h, num_aux=3, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv, head_dim=h // heads, vocab_size=vocab, draft_vocab_size=min(vocab, 32000))
+    seq = 2048 if shape == "llama-8b" else 256
+    batches = synthetic_batches(cfg, 2, seq, device, dtype)
+    model = make_model(cfg, device, dtype)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    def tokens_per_s(unroll: int) -> float:
+        step = plain_step(model, opt, unroll)
+        step(*batches[0])
+        sync(device)
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(*batches[i % 2])
+        sync(device)
+        return steps * seq / (time.perf_counter() - t0)
+
+    one, full = tokens_per_s(1), tokens_per_s(ttt)
+    return {"seq": seq, "ttt": ttt, "tokens_per_s_ttt1": one, "tokens_per_s": full, "ttt_cost_ratio": one / full,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = argparse.ArgumentParser()
+    a.add_argument("--shape", choices=list(SHAPES), default="llama-8b")
+    a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    a.add_argument("--writers", type=int, default=4)
+    a.add_argument("--repeats", type=int, default=3)
+    a.add_argument("--steps", type=int, default=10)
+    a.add_argument("--ttt", type=int, default=7)
+    a.add_argument("--out")
+    args = a.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    result = {"benchmark": "gpu", "host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": args.dtype,
+              "load_avg": os.getloadavg()}
+    result["extraction"] = bench_extraction(args.shape, device, dtype, args.writers, args.repeats)
+    result["draft_step"] = bench_draft_step(args.shape, device, dtype, args.steps, args.ttt)
+    save_result(result, f"gpu_{args.shape}_{device.type}.json", args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
