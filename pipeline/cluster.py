@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from pipeline.errors import UnusableInput
+
 log = logging.getLogger(__name__)
 
 
@@ -52,3 +54,16 @@ def init_ray(address: str | None = None) -> None:
     ctx = DataContext.get_current()
     ctx.enable_progress_bars = False  # Strata prints its own per-unit progress
     ctx.print_on_execution_start = False
+
+
+def require_resources(plan: str, cpus: float, gpus: float, fix: str) -> None:
+    """Refuse, in one line, a plan the Ray cluster cannot schedule: Ray would otherwise queue its
+    tasks and actors forever ("cluster resources are not enough ... may hang forever").
+    ``plan`` says how ``cpus`` and ``gpus`` add up; ``fix`` what to change."""
+    import ray
+
+    total = ray.cluster_resources()
+    have_cpu, have_gpu = total.get("CPU", 0), total.get("GPU", 0)
+    if have_cpu < cpus or have_gpu < gpus:
+        raise UnusableInput(f"{plan} = {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''}, but the Ray cluster has "
+                            f"{have_cpu:g} CPUs{f' and {have_gpu:g} GPUs' if gpus else ''}: {fix}, or add nodes")

@@ -321,3 +321,19 @@ def test_killing_a_capture_actor_mid_run_loses_and_duplicates_nothing(ray_connec
     r.verify_all()
     rows = [s.sample_id for s in r.iter_samples()]
     assert len(rows) == len(set(rows)) == m.totals.rows and m.totals.rows + m.totals.quarantined == nrows
+
+
+@pytest.mark.ray
+def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected, tiny_target, source, tmp_path):
+    """Capture actors that take every CPU leave none for the tokenize tasks: Ray would queue them
+    forever. Refused in one line, before anything is written."""
+    import ray
+
+    from pipeline.errors import UnusableInput
+    from schemas.config import validate_config
+
+    raw = json.loads(write_config(tmp_path, tiny_target, source[0], tmp_path / "ds").read_text())
+    raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"]}
+    with pytest.raises(UnusableInput, match=r"capture actors x cpus_per_actor .* but the Ray cluster has .*lower ray"):
+        run_extract(validate_config(raw, ExtractConfig), progress=False)
+    assert not (tmp_path / "ds").exists()

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import pipeline
 from pipeline import fingerprint
-from pipeline.cluster import init_ray
+from pipeline.cluster import init_ray, require_resources
 from pipeline.conventions import boundary_label, describe_point
 from pipeline.data.source import scan_source
 from pipeline.engines import engine_ref, open_engine
@@ -141,6 +141,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     t0 = time.perf_counter()
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     check_plan(cfg, identity)
+    if use_ray:  # before anything is written
+        init_ray(cfg.ray.address)
+        r = cfg.ray
+        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
+                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}", r.num_actors * r.cpus_per_actor
+                          + r.cpus_per_tokenize_task, r.num_actors * r.gpus_per_actor,
+                          "lower ray.cpus_per_actor or ray.num_actors")
     log.info("target %s", identity.describe())
     fs, root = resolve(cfg.output.uri, cfg.s3)
     scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)

@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pipeline import conventions
-from pipeline.cluster import init_ray
+from pipeline.cluster import init_ray, require_resources
 from pipeline.conventions import releases
 from pipeline.draft.export import WEIGHTS, ExportError, serving_ids
 from pipeline.draft.model import DraftConfig
@@ -216,19 +216,11 @@ DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.
 
 
 def check_resources(cfg: TrainConfig) -> None:
-    """Refuse a plan the cluster cannot run instead of hanging: the workers and at least one
-    decode task must fit in the cluster's CPUs (GPUs likewise)."""
-    import ray
-
-    total = ray.cluster_resources()
-    need_cpu = cfg.num_workers * cfg.cpus_per_worker + DECODE_TASK_CPUS
-    if total.get("CPU", 0) < need_cpu:
-        raise ValueError(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker} + "
-                         f"{DECODE_TASK_CPUS} CPU for the data decode tasks = {need_cpu} CPUs, but the Ray cluster has "
-                         f"{total.get('CPU', 0):g}: lower cpus_per_worker or num_workers, or add nodes")
-    if cfg.use_gpu and total.get("GPU", 0) < cfg.num_workers:
-        raise ValueError(f"train: use_gpu with {cfg.num_workers} workers needs {cfg.num_workers} GPUs, the Ray "
-                         f"cluster has {total.get('GPU', 0):g}")
+    """The workers and at least one data decode task must fit the cluster."""
+    require_resources(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g} + "
+                      f"{DECODE_TASK_CPUS} CPU for the data decode tasks", cfg.num_workers * cfg.cpus_per_worker
+                      + DECODE_TASK_CPUS, cfg.num_workers if cfg.use_gpu else 0,
+                      "lower cpus_per_worker or num_workers")
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
