@@ -40,32 +40,37 @@ EXIT_USAGE = 2
 EXIT_BLOCKED = 3
 EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
 
-_json_out = None  # the real stdout while a --json command runs (see json_stdout)
+_json_doc: list[str] | None = None  # the document a --json command produced (see json_stdout)
 
 
 @contextmanager
 def json_stdout() -> Iterator[None]:
     """For ``--json``: fd 1 points at stderr while the command runs, so whatever this process
     and the processes it starts write there (vLLM's logger, Ray's worker logs) cannot land in
-    the JSON; ``print_json`` writes the one document to the real stdout."""
-    global _json_out
+    the JSON; the document ``print_json`` was given is written once fd 1 is stdout again."""
+    global _json_doc
     sys.stdout.flush()
     real_stream, saved_fd = sys.stdout, os.dup(1)
     os.dup2(2, 1)
-    sys.stdout, _json_out = sys.stderr, real_stream
+    sys.stdout, _json_doc = sys.stderr, []
     try:
         yield
     finally:
         sys.stderr.flush()
         os.dup2(saved_fd, 1)
         os.close(saved_fd)
-        sys.stdout, _json_out = real_stream, None
+        sys.stdout, docs, _json_doc = real_stream, _json_doc, None
+        for doc in docs:
+            sys.stdout.write(doc + "\n")
+        sys.stdout.flush()
 
 
 def print_json(doc: str | dict | list) -> None:
-    out = _json_out or sys.stdout
-    out.write((doc if isinstance(doc, str) else json.dumps(doc, indent=1, default=str)) + "\n")
-    out.flush()
+    text = doc if isinstance(doc, str) else json.dumps(doc, indent=1, default=str)
+    if _json_doc is not None:
+        _json_doc.append(text)
+    else:
+        print(text)
 
 
 def _setup_logging(verbose: bool) -> None:

@@ -29,7 +29,6 @@ from pipeline.conventions.releases import AUX_KEY, NEWEST, ConventionError, Unkn
 from schemas.capture import CapturePoint
 
 Tool = Literal["hf", "vllm", "sglang", "specforge", "modelopt", "trtllm", "eagle"]
-SGLangFamily = str  # a family of ``releases.FAMILY_OF_MODEL_TYPE["sglang"]``
 
 __all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "releases"]
 

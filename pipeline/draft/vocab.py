@@ -30,10 +30,3 @@ def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torc
     t2d = torch.zeros(v, dtype=torch.bool)
     t2d[ids] = True
     return ids, d2t, t2d
-
-
-def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Draft id of each target id (-1 where the token is not in the draft vocab)."""
-    index = torch.cumsum(t2d.long(), 0) - 1
-    out = index[target_ids]
-    return torch.where(t2d[target_ids], out, torch.full_like(out, -1))

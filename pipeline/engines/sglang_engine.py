@@ -42,12 +42,12 @@ def _release(version: str) -> str:
     return version if version not in ("", "not installed") else conventions.NEWEST
 
 
-def can_capture(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily,
+def can_capture(point: CapturePoint, num_layers: int, family: str,
                 version: str = conventions.NEWEST) -> bool:
     return conventions.native_id(point, "sglang", num_layers, family, _release(version)) is not None
 
 
-def sglang_engine_ref(point: CapturePoint, num_layers: int, family: conventions.SGLangFamily, version: str,
+def sglang_engine_ref(point: CapturePoint, num_layers: int, family: str, version: str,
                       tp_size: int = 1) -> EngineRef:
     nid = conventions.native_id(point, "sglang", num_layers, family, _release(version))
     return EngineRef(name="sglang", version=version, native_id=nid,
@@ -120,7 +120,7 @@ class SGLangEngine(TargetEngine):
     name = "sglang"
 
     def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
-                 family: conventions.SGLangFamily | None = None, batch_tokens: int = 16384):
+                 family: str | None = None, batch_tokens: int = 16384):
         sgl = _sglang()
         self.version = sgl.__version__
         self.model_dir = str(model_dir)
