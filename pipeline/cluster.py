@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from pipeline.errors import UnusableInput
 
 log = logging.getLogger(__name__)
+
+_started_locally = False  # this process started the Ray runtime it uses (no node will join it)
 
 
 def _loopback_only() -> None:
@@ -31,6 +34,7 @@ def _loopback_only() -> None:
 
 def init_ray(address: str | None = None) -> None:
     """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray."""
+    global _started_locally
     # No telemetry: clusters here reach no outside network, and Ray Data's usage
     # collector otherwise polls a Prometheus on localhost:9090 and logs tracebacks.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -44,6 +48,7 @@ def init_ray(address: str | None = None) -> None:
         log.info("connecting to the Ray cluster at %s", addr)
         ray.init(address=addr, log_to_driver=True)
     else:
+        _started_locally = True
         log.info("starting a local Ray runtime (loopback only, token auth)")
         _loopback_only()
         # The dashboard serves the state API that Ray Train's cleanup polls.
@@ -56,14 +61,37 @@ def init_ray(address: str | None = None) -> None:
     ctx.print_on_execution_start = False
 
 
-def require_resources(plan: str, cpus: float, gpus: float, fix: str) -> None:
-    """Refuse, in one line, a plan the Ray cluster cannot schedule: Ray would otherwise queue its
-    tasks and actors forever ("cluster resources are not enough ... may hang forever").
-    ``plan`` says how ``cpus`` and ``gpus`` add up; ``fix`` what to change."""
+def require_resources(plan: str, bundles: list[dict[str, float]], fix: str, wait_s: float) -> None:
+    """Refuse, in one line, a plan the Ray cluster cannot schedule, instead of letting Ray queue
+    its actors and tasks forever ("cluster resources are not enough ... may hang forever").
+
+    ``bundles`` are the plan's actors and tasks (CPU/GPU each). A cluster this job started
+    locally gains no nodes, so a plan that does not fit is refused at once; on a cluster the job
+    was submitted to, the autoscaler is asked for the bundles (``request_resources``) and the
+    job waits up to ``wait_s`` seconds for them before refusing."""
     import ray
 
-    total = ray.cluster_resources()
-    have_cpu, have_gpu = total.get("CPU", 0), total.get("GPU", 0)
-    if have_cpu < cpus or have_gpu < gpus:
+    cpus, gpus = sum(b.get("CPU", 0) for b in bundles), sum(b.get("GPU", 0) for b in bundles)
+
+    def have() -> tuple[float, float]:
+        total = ray.cluster_resources()
+        return total.get("CPU", 0), total.get("GPU", 0)
+
+    cpu, gpu = have()
+    if (cpu < cpus or gpu < gpus) and wait_s > 0 and not _started_locally:
+        from ray.autoscaler.sdk import request_resources
+
+        log.info("%s needs %g CPUs / %g GPUs, the cluster has %g / %g now: asking the autoscaler, waiting up to "
+                 "%g s", plan, cpus, gpus, cpu, gpu, wait_s)
+        request_resources(bundles=bundles)
+        try:
+            deadline = time.monotonic() + wait_s
+            while (cpu < cpus or gpu < gpus) and time.monotonic() < deadline:
+                time.sleep(min(5.0, wait_s))
+                cpu, gpu = have()
+        finally:
+            request_resources(bundles=[])  # the job's own actors and tasks hold the nodes from here on
+    if cpu < cpus or gpu < gpus:
+        waited = f" after waiting {wait_s:g} s for the autoscaler" if wait_s > 0 and not _started_locally else ""
         raise UnusableInput(f"{plan} = {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''}, but the Ray cluster has "
-                            f"{have_cpu:g} CPUs{f' and {have_gpu:g} GPUs' if gpus else ''}: {fix}, or add nodes")
+                            f"{cpu:g} CPUs{f' and {gpu:g} GPUs' if gpus else ''}{waited}: {fix}, or add nodes")

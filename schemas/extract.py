@@ -39,6 +39,9 @@ class RayConfig(Strict):
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
     cpus_per_tokenize_task: float = Field(0.25, gt=0)
+    resource_wait_s: float = Field(
+        600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
+        "provide the actors' CPUs/GPUs before refusing (a local Ray is checked at once)")
     writer_threads: int | None = Field(
         None, ge=1, description="threads per capture actor that compress and write byte planes while the engine "
         "computes the next batch; None: one per CPU the actor holds beyond the first, at least one")

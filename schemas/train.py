@@ -75,6 +75,9 @@ class TrainConfig(Strict):
     cpus_per_worker: float = Field(1.0, gt=0)
     use_gpu: bool = False
     ray_address: str | None = None
+    resource_wait_s: float = Field(
+        600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
+        "provide the workers' CPUs/GPUs before refusing (a local Ray is checked at once)")
     export: ExportConfig = ExportConfig()
     heldout_acceptance: HeldoutAcceptanceConfig = HeldoutAcceptanceConfig()
     s3: S3Config = S3Config()

@@ -333,7 +333,10 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
     from schemas.config import validate_config
 
     raw = json.loads(write_config(tmp_path, tiny_target, source[0], tmp_path / "ds").read_text())
-    raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"]}
-    with pytest.raises(UnusableInput, match=r"capture actors x cpus_per_actor .* but the Ray cluster has .*lower ray"):
+    # A cluster the job was submitted to may autoscale: the job asks for the actors and waits
+    # (2 s here) before refusing.
+    raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"], "resource_wait_s": 2}
+    with pytest.raises(UnusableInput, match=r"capture actors x cpus_per_actor .* but the Ray cluster has .* after "
+                                            r"waiting 2 s for the autoscaler: lower ray"):
         run_extract(validate_config(raw, ExtractConfig), progress=False)
     assert not (tmp_path / "ds").exists()

@@ -355,7 +355,7 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
 
     cpus = ray.cluster_resources()["CPU"]
     cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
-                                               cpus_per_worker=cpus))
+                                               cpus_per_worker=cpus, resource_wait_s=0))
     with pytest.raises(ValueError, match=r"CPU for the data decode tasks .* but the Ray cluster has"):
         run_train(cfg)
     assert not (tmp_path / "run").exists()  # refused before anything was written

@@ -144,10 +144,11 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     if use_ray:  # before anything is written
         init_ray(cfg.ray.address)
         r = cfg.ray
+        actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
         require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
-                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}", r.num_actors * r.cpus_per_actor
-                          + r.cpus_per_tokenize_task, r.num_actors * r.gpus_per_actor,
-                          "lower ray.cpus_per_actor or ray.num_actors")
+                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}",
+                          [actor] * r.num_actors + [{"CPU": r.cpus_per_tokenize_task}],
+                          "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
     log.info("target %s", identity.describe())
     fs, root = resolve(cfg.output.uri, cfg.s3)
     scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)

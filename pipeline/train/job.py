@@ -217,10 +217,11 @@ DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.
 
 def check_resources(cfg: TrainConfig) -> None:
     """The workers and at least one data decode task must fit the cluster."""
+    worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1.0} if cfg.use_gpu else {})}
     require_resources(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g} + "
-                      f"{DECODE_TASK_CPUS} CPU for the data decode tasks", cfg.num_workers * cfg.cpus_per_worker
-                      + DECODE_TASK_CPUS, cfg.num_workers if cfg.use_gpu else 0,
-                      "lower cpus_per_worker or num_workers")
+                      f"{DECODE_TASK_CPUS} CPU for the data decode tasks",
+                      [worker] * cfg.num_workers + [{"CPU": DECODE_TASK_CPUS}], "lower cpus_per_worker or num_workers",
+                      cfg.resource_wait_s)
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
