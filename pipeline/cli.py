@@ -329,7 +329,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if problem:
         print(f"strata inspect: {args.dataset} FAILED verification: {problem}", file=sys.stderr)
     if args.json:
-        print_json({"manifest": m.model_dump(mode="json"), "verified": args.verify, "problem": problem})
+        doc = m.model_dump(mode="json")  # the manifest, as stored
+        if args.verify:
+            doc["verification"] = {"ok": problem is None, "problem": problem}
+        print_json(doc)
         return EXIT_BLOCKED if problem else 0
     t = m.totals
     print(f"dataset   {m.dataset_id}  (format v{m.format_version}, created {m.created_at})")

@@ -39,7 +39,7 @@ def test_inspect_and_registry_json(trained_run, tmp_path, capsys):
     ds = trained_run.parent / "ds"
     assert strata(["inspect", str(ds), "--verify", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["verified"] and doc["problem"] is None and doc["manifest"]["totals"]["rows"] > 0
+    assert doc["verification"] == {"ok": True, "problem": None} and doc["totals"]["rows"] > 0
 
     reg, art = str(tmp_path / "registry"), trained_run / "export" / "vllm"
     assert strata(["registry", "add", str(art), "--registry", reg, "--json"]) == 0
