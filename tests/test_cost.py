@@ -95,7 +95,8 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     assert base["mean_acceptance_length"] is None and base["decode_tokens_per_s"] > 0
     for r in (written, fixed):
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_per_pos"] == sorted(r["acceptance_per_pos"], reverse=True)
-        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["acceptance_per_pos"]), rel=1e-6)
+        # vLLM's accepted-tokens and per-position counters agree (the table rounds each to 3 places).
+        assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["acceptance_per_pos"]), abs=2.5e-3)
         assert r["same_output_as_no_speculation"]            # speculation is lossless either way (fp32)
         assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                                                                rel=1e-2)
