@@ -73,6 +73,30 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
             **({} if gated else {"why": "the held-out acceptance is within its noise of zero: reported, not gated"})}
 
 
+def reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
+    """The acceptance check: floor, held-out comparison, losslessness (at float32)."""
+    out: list[str] = []
+    if "mean_acceptance_length" not in accept:
+        return out
+    if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
+        out.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor "
+                   f"{cfg.tolerances.acceptance_floor}")
+    vs = accept["vs_heldout"] = versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
+    if vs.get("low"):
+        out.append(f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
+                   f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
+                   f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
+                   "serve the draft as it was trained")
+    if not accept["lossless"] and cfg.serving.dtype == "float32":
+        out.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
+    elif not accept["lossless"]:
+        # Verifying k+1 tokens in one forward rounds differently from one token at a time
+        # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
+        accept["lossless_note"] = (f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
+                                   "16-bit verification can flip near-ties; gated at float32 only")
+    return out
+
+
 def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> dict:
     """Strata's reference speculative decoding (HF target + Strata's draft) fed ``fed``."""
     eng = HFEngine(cfg.serving.target.path, [], cfg.serving.dtype, "cpu", cfg.serving.attn_implementation)

@@ -194,7 +194,7 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
     fed = [x.fed for x in slots]
     accept = measure_acceptance(cfg, case.manifest, art, fp, fed, trained, served,
                                 blocked=bool(reasons))
-    reasons += _acceptance_reasons(cfg, accept)
+    reasons += acceptance.reasons(cfg, accept)
 
     sc = deployment(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, release)
     return ValidationReport(
@@ -318,29 +318,6 @@ def measure_acceptance(cfg: ValidateConfig, manifest: DraftArtifactManifest, art
         out["note"] = "measured for the report only: this configuration is blocked"
     return {**out, "predicted_accepted_per_step": acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens),
             "heldout_at_training": manifest.metrics.get("heldout_acceptance")}
-
-
-def _acceptance_reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
-    reasons = []
-    if "mean_acceptance_length" not in accept:
-        return reasons
-    if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
-        reasons.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor "
-                       f"{cfg.tolerances.acceptance_floor}")
-    vs = accept["vs_heldout"] = acceptance.versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
-    if vs.get("low"):
-        reasons.append(f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
-                       f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
-                       f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
-                       "serve the draft as it was trained")
-    if not accept["lossless"] and cfg.serving.dtype == "float32":
-        reasons.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
-    elif not accept["lossless"]:
-        # Verifying k+1 tokens in one forward rounds differently from one token at a time
-        # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
-        accept["lossless_note"] = (f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
-                                   "16-bit verification can flip near-ties; gated at float32 only")
-    return reasons
 
 
 def record(cfg: ValidateConfig, report: ValidationReport, sc: Deployment, art: Path) -> None:
