@@ -141,14 +141,6 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     t0 = time.perf_counter()
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     check_plan(cfg, identity)
-    if use_ray:  # before anything is written
-        init_ray(cfg.ray.address)
-        r = cfg.ray
-        actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
-        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
-                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}",
-                          [actor] * r.num_actors + [{"CPU": r.cpus_per_tokenize_task}],
-                          "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
     log.info("target %s", identity.describe())
     fs, root = resolve(cfg.output.uri, cfg.s3)
     scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
@@ -161,6 +153,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
             log.info("dataset %s is already complete: nothing to do", m.dataset_id)
             return m
         raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
+    if use_ray:  # before anything is written (a finished dataset needs no cluster)
+        init_ray(cfg.ray.address)
+        r = cfg.ray
+        actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
+        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
+                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}",
+                          [actor] * r.num_actors + [{"CPU": r.cpus_per_tokenize_task}],
+                          "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
     # One job per output at a time: a second one started on it refuses instead of racing.
     lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)
     try:
