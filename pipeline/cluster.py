@@ -32,8 +32,12 @@ def _loopback_only() -> None:
         log.warning("RAY_AUTH_MODE=%s: the local Ray runtime runs without token auth", mode)
 
 
-def init_ray(address: str | None = None) -> None:
-    """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray."""
+def init_ray(address: str | None = None, dashboard: bool = True) -> None:
+    """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray.
+
+    ``dashboard``: a local Ray starts its dashboard (1.7 s), which serves the state API Ray
+    Train's cleanup polls; extraction alone does without. The first call in a process decides.
+    """
     global _started_locally
     # No telemetry: clusters here reach no outside network, and Ray Data's usage
     # collector otherwise polls a Prometheus on localhost:9090 and logs tracebacks.
@@ -51,8 +55,7 @@ def init_ray(address: str | None = None) -> None:
         _started_locally = True
         log.info("starting a local Ray runtime (loopback only, token auth)")
         _loopback_only()
-        # The dashboard serves the state API that Ray Train's cleanup polls.
-        ray.init(address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True,
+        ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=True,
                  _node_ip_address="127.0.0.1")
     from ray.data import DataContext
 

@@ -22,7 +22,7 @@ class EngineConfig(Strict):
     dtype: DType = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="hf only")
-    batch_tokens: int = Field(16384, gt=0, description="tokens per forward batch (hf: padded)")
+    batch_tokens: int = Field(16384, gt=0, description="tokens per forward batch: samples packed end to end, never padded")
     tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per extraction actor (vllm, sglang)")
     max_model_len: int = Field(4096, gt=1, description="vllm/sglang context length; >= max_length + 1")
 

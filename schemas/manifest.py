@@ -38,6 +38,9 @@ class ShardRecord(BaseModel):
     sha256: str | None
     quarantine_path: str | None = None
     inherited_from: str | None = None    # dataset id of the earlier version this shard belongs to
+    # Seconds this unit spent per stage (tokenize, forward, byte_split, compress, parquet, hash,
+    # write, commit, writer_wait; engine_start on the first unit each capture actor commits).
+    seconds: dict[str, float] = {}
 
 
 class Totals(BaseModel):
@@ -68,9 +71,28 @@ class DatasetManifest(BaseModel):
     totals: Totals
     quarantine_path: str | None = None
     fingerprints: dict | None = None   # {"path", "sha256", "probe_samples", "dim", "seed"}
+    # Wall seconds of the job that wrote this version, per stage (target_identity, source_scan,
+    # ray_start, capture, manifest, fingerprints, total); per-unit stages are in each shard.
+    seconds: dict[str, float] = {}
     # A dataset version built on earlier ones lists their shards (inherited_from set, paths
     # relative to this root, e.g. ../v0001/part/shards/...) instead of copying them.
     parents: list[str] = []
+
+    def unit_seconds(self) -> dict[str, float]:
+        """Per-unit stage seconds summed over the shards this version extracted (not inherited)."""
+        out: dict[str, float] = {}
+        for s in self.shards:
+            if s.inherited_from is None:
+                for k, v in s.seconds.items():
+                    out[k] = out.get(k, 0.0) + v
+        return out
+
+    def time_breakdown(self) -> str:
+        """One line: the job's stages, then inside capture the units' stages summed (actors and
+        writer threads run concurrently, so those sums can exceed capture's wall time)."""
+        job = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
+        units = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.unit_seconds().items(), key=lambda kv: -kv[1]))
+        return f"{job}; units summed: {units}"
 
     def reconcile(self) -> None:
         """Raise unless every input row is either written or quarantined, exactly once."""

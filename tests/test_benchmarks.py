@@ -1,6 +1,6 @@
-"""The GPU benchmark runs the day a GPU box is available: it is exercised here on the CPU at
-tiny sizes, in a Python where Ray, DeepSpeed, vLLM, zstandard and pydantic cannot be imported
-(a GPU box may have only torch, transformers and pyarrow)."""
+"""Benchmarks that must keep working: the GPU benchmark (exercised on the CPU at tiny sizes,
+in a Python where Ray, DeepSpeed, vLLM, zstandard and pydantic cannot be imported: a GPU box
+may have only torch, transformers and pyarrow), and the whole-job extraction benchmark."""
 
 import json
 import subprocess
@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent / "benchmarks" / "bench_gpu.py"
+BENCH_JOB = Path(__file__).resolve().parent / "benchmarks" / "bench_extract_job.py"
 BLOCK = """
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
@@ -34,3 +35,21 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
     # less what zstd saves on the exponent planes.
     assert ex["written_bytes_last_run"] <= ex["real_tokens"] * 4 * 4 * 64
     assert set(ex["tokens_per_s"]) == {"bare_forward", "capture"} and r["draft_step"]["ttt"] == 2
+
+
+def test_extract_job_benchmark_times_the_cli_job_against_a_bare_script(tmp_path):
+    """Tiny sizes: what the JSON must hold, not how fast anything is."""
+    out = tmp_path / "job.json"
+    run = subprocess.run([sys.executable, str(BENCH_JOB), "--shape", "tiny", "--conversations", "16", "--sizes", "8",
+                          "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    curve = r["scaling_curve"]
+    assert [c["conversations"] for c in curve] == [8, 16] and curve[0]["tokens"] < curve[1]["tokens"]
+    assert all(c["job_wall_s"] > 0 and c["bare_wall_s"] > 0 for c in curve)
+    fixed = r["fixed_costs_s"]
+    assert fixed["ray_start"] > 0 and fixed["engine_start"] > 0 and fixed["process_start_and_imports"] > 0
+    units = r["breakdown_best_job"]["unit_stages_summed_s"]
+    assert {"tokenize", "forward", "byte_split", "compress", "hash", "write", "commit"} <= set(units)
+    assert r["tokens"] == curve[1]["tokens"] and 0 < r["ratios"]["whole_job_over_bare_script"]

@@ -74,6 +74,16 @@ def test_extract_on_ray_reconciles_and_quarantines(ray_connected, tiny_target, s
     assert not (tmp_path / "ds" / "_tmp").exists()
     deep = next(x for x in q if x["reason"].startswith("JSON nested deeper"))  # capped, hashed
     assert deep["bytes"] == 200_000 and len(deep["line"]) == 4096 and deep["truncated"] and len(deep["sha256"]) == 64
+    # Where the time went: the job's stages are disjoint parts of its total; every unit with rows
+    # was tokenized and captured; the one capture actor's start is charged to exactly one unit.
+    stages = {k: v for k, v in m.seconds.items() if k != "total"}
+    assert set(stages) == {"target_identity", "source_scan", "ray_start", "capture", "manifest", "fingerprints"}
+    assert 0 < sum(stages.values()) <= m.seconds["total"]
+    written = [s for s in m.shards if s.path]
+    assert all(s.seconds["tokenize"] > 0 and s.seconds["forward"] > 0 and s.seconds["commit"] > 0 for s in written)
+    assert sum("engine_start" in s.seconds for s in m.shards) == 1
+    assert m.unit_seconds()["forward"] == pytest.approx(sum(s.seconds["forward"] for s in written))
+    assert "where the time went" not in capsys.readouterr().out  # a log line, not stdout
     # Re-running a finished job is a no-op that returns the same dataset.
     assert run_extract(cfg, progress=False).dataset_id == m.dataset_id
     # strata inspect: provenance per column, shard table, totals.

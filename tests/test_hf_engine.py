@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.engines import hf as hf_engine
 from pipeline.engines.hf import HFEngine
 from pipeline.store.encoding import bits_to_torch, join_planes
 from schemas.capture import CapturePoint as C
@@ -46,12 +47,61 @@ def test_each_point_equals_hidden_states_bit_exact(tiny_target, reference):
 
 def test_batched_capture_matches_unbatched(tiny_target, reference):
     eng = HFEngine(tiny_target, POINTS, dtype="float32", device="cpu", attn_implementation="eager")
-    b = eng.capture(SEQS)  # right-padded batch; packed in order
+    b = eng.capture(SEQS)  # eager cannot pack: one sequence per forward, in order
     assert b.lengths == [len(s) for s in SEQS]
     for i in range(len(SEQS)):
         hs, last = reference[i]
-        torch.testing.assert_close(unpack(b, C.layer_output(2), i), hs[3][0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(unpack(b, C.final("post"), i), last[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(unpack(b, C.layer_output(2), i), hs[3][0])
+        assert torch.equal(unpack(b, C.final("post"), i), last[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_capture_is_bit_identical_to_one_sequence_at_a_time(tiny_target, dtype, request):
+    """Packing replaces padding: sequences of very different lengths run end to end in one row,
+    each with its own positions and attending only to itself, and every captured value equals
+    a lone forward of that sequence bit for bit (a packed forward that let a sequence see its
+    neighbours, or restarted no positions, would differ).
+
+    fp32 matmuls round a row the same way wherever it sits in the matrix except in a tail
+    micro-kernel: a lone matrix of 1-3, 5-7 or 9-11 rows (a sequence that short; a
+    chat-templated conversation never is), and, with several BLAS threads, the rows where the
+    threads' shares meet (packed or padded alike). So fp32 runs on one thread with sequences of
+    12 tokens or more; bf16 matmuls agree at any row count and thread count.
+    """
+    if dtype == "float32":
+        threads = torch.get_num_threads()
+        request.addfinalizer(lambda: torch.set_num_threads(threads))
+        torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    lengths = (57, 12, 130, 16, 18, 96) if dtype == "float32" else (57, 3, 130, 1, 18, 96)
+    seqs = [torch.randint(3, 2000, (n,), generator=g).tolist() for n in lengths]
+    eng = HFEngine(tiny_target, POINTS, dtype=dtype, device="cpu", attn_implementation="sdpa")
+    alone = eng.capture_tensors(seqs)
+    packed = eng.capture(seqs)
+    assert packed.lengths == [len(s) for s in seqs]
+    for p in POINTS:
+        for i in range(len(seqs)):
+            off = sum(packed.lengths[:i])
+            planes = packed.planes[str(p)][:, off : off + packed.lengths[i]]
+            got = bits_to_torch(join_planes(list(planes)), dtype)
+            assert torch.equal(got, alone[str(p)][i].to(got.dtype)), (str(p), i, len(seqs[i]))
+    # and the row is really one forward: one call of the packed attention per layer, not one per sequence
+    calls = []
+    orig = hf_engine.packed_sdpa
+
+    def spy(*a, **kw):
+        calls.append(kw.get("cu_seq_lens_q"))
+        return orig(*a, **kw)
+
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(hf_engine.PACKED_SDPA, spy)
+    try:
+        eng.capture(seqs)
+    finally:
+        AttentionInterface.register(hf_engine.PACKED_SDPA, orig)
+    assert len(calls) == N and all(c is not None and c.tolist()[-1] == sum(map(len, seqs)) for c in calls)
+    assert eng.model.config._attn_implementation == "sdpa"  # serving keeps the loaded implementation
 
 
 def test_never_uses_output_hidden_states(tiny_target, monkeypatch):
@@ -68,14 +118,16 @@ def test_never_uses_output_hidden_states(tiny_target, monkeypatch):
     assert not seen.get("output_hidden_states")
 
 
-def test_batch_planning_respects_token_budget():
-    from pipeline.engines.base import plan_by_tokens
+def test_batches_are_consecutive_samples_within_the_token_budget():
+    from pipeline.engines.base import pack_by_tokens
 
-    lengths = [10, 50, 20, 50, 5, 30]
-    batches = plan_by_tokens(lengths, 100)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    lengths = [10, 50, 20, 50, 5, 30, 120, 7]
+    batches = pack_by_tokens(lengths, 100)
+    assert [i for b in batches for i in b] == list(range(len(lengths)))  # every sample once, in order
     for b in batches:
-        assert max(lengths[i] for i in b) * len(b) <= 100 or len(b) == 1
+        assert sum(lengths[i] for i in b) <= 100 or len(b) == 1
+    assert [6] in batches  # longer than the budget: alone
+    assert len(batches) == 4  # [10,50,20] [50,5,30] [120] [7]
 
 
 def test_provenance_native_ids(tiny_target):

@@ -10,8 +10,9 @@ dispatch through this interface, never on an engine's name.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,9 @@ class CapturedBatch:
 
     lengths: list[int]
     planes: dict[str, np.ndarray]   # capture point -> [B, sum(lengths), H] uint8 byte planes
+    # seconds spent: "forward" (the target), "byte_split" (planes to host; on a GPU this
+    # includes waiting for the device to finish)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,7 +113,7 @@ class TargetEngine(ABC):
 
     def capture(self, sequences: list[list[int]]) -> CapturedBatch:
         """Every configured point as host byte planes (what the extraction writer stores)."""
-        return captured_batch(self.capture_tensors(sequences), self.dtype)
+        return captured_batch(self.capture_tensors, sequences, self.dtype)
 
     @abstractmethod
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -158,23 +162,29 @@ def acceptance(measured_by: str, k: int, verify_steps: int, accepted_per_pos: li
             **extra}
 
 
-def captured_batch(per_point: dict[str, list[torch.Tensor]], dtype: str) -> CapturedBatch:
-    """Per point, one [T, H] tensor per sequence -> host byte planes in batch order."""
+def captured_batch(capture_tensors, sequences: list[list[int]], dtype: str) -> CapturedBatch:
+    """``capture_tensors(sequences)`` (per point, one [T, H] tensor per sequence) -> host byte
+    planes in batch order, timed."""
+    t0 = time.perf_counter()
+    per_point = capture_tensors(sequences)
+    t1 = time.perf_counter()
     planes = {k: split_planes(torch.cat(v).to(torch_dtype(dtype)).contiguous()).numpy() for k, v in per_point.items()}
-    return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes)
+    return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes,
+                         seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1})
 
 
-def plan_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Longest first; each batch's padded size (count x longest) stays within the budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+def pack_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Consecutive samples, in order, while their tokens fit the budget (a longer sample runs
+    alone). No engine pads, so real tokens are what a batch costs."""
     batches: list[list[int]] = []
     cur: list[int] = []
-    for i in order:
-        longest = lengths[cur[0]] if cur else lengths[i]
-        if cur and longest * (len(cur) + 1) > batch_tokens:
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > batch_tokens:
             batches.append(cur)
-            cur = []
+            cur, used = [], 0
         cur.append(i)
+        used += n
     if cur:
         batches.append(cur)
     return batches

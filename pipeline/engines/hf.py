@@ -1,13 +1,21 @@
 """HF transformers engine: forward hooks capture typed points; never output_hidden_states.
 
-Hooks keep references to tensors the forward pass creates anyway; after the forward the
-valid tokens are packed, split into byte planes on the device, and copied to pinned host
-memory with non-blocking copies and a single synchronisation per batch.
+A batch is packed, not padded: its sequences run end to end in one row, each with its own
+positions, and attention runs per sequence with the same SDPA call a lone sequence gets
+(:func:`packed_sdpa`). No compute goes to padding, and the captured values are bit-identical
+to capturing each sequence alone: always in bf16; in fp32 wherever the BLAS rounds a row the
+same inside a larger matrix (not in its tail micro-kernels -- see the test). Hooks keep references to
+tensors the forward pass creates anyway; after the forward they are split into byte planes
+on the device and copied to pinned host memory with one synchronisation per batch.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -23,13 +31,41 @@ from pipeline.engines.base import (
     ServeResult,
     TargetEngine,
     acceptance,
-    plan_by_tokens,
+    captured_batch,
+    pack_by_tokens,
 )
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
+
+PACKED_SDPA = "strata_packed_sdpa"
+
+
+def packed_sdpa(module, query, key, value, attention_mask, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
+    """SDPA for sequences packed end to end in one row (boundaries in ``cu_seq_lens_q``).
+
+    Each sequence attends causally to itself alone through HF's own SDPA call on its slice --
+    exactly the call it gets when it runs alone, so nothing is computed for padding or for
+    attention across sequences. Without boundaries this is plain SDPA.
+    """
+    # imported here: the module costs ~2 s, which a driver that never loads a model should not pay
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if cu_seq_lens_q is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+            for s, e in pairwise(cu_seq_lens_q.tolist())]
+    return torch.cat(outs, dim=1), None
+
+
+@lru_cache(maxsize=1)
+def register_packed_sdpa() -> None:
+    """Make :func:`packed_sdpa` an attention implementation transformers can dispatch to."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
 
 
 def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
@@ -64,6 +100,7 @@ class HFEngine(TargetEngine):
         self.dtype = dtype
         self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         self.batch_tokens = batch_tokens
+        self.attn_implementation = attn_implementation
         # A target larger than one GPU is split layer-wise over the actor's GPUs.
         multi_gpu = self.device.type == "cuda" and torch.cuda.device_count() > 1
         model = AutoModelForCausalLM.from_pretrained(
@@ -74,13 +111,13 @@ class HFEngine(TargetEngine):
             device_map="auto" if multi_gpu else None,
         )
         model.eval()
+        register_packed_sdpa()
         if not multi_gpu:
             model.to(self.device)
         self.model = model
         self.base, self.layers, self.norm = decoder_parts(model)
         self.num_layers = len(self.layers)
         self.hidden_size = int(model.config.get_text_config().hidden_size)
-        self.pad_id = int(model.config.pad_token_id or 0)
         self.points = [p.validate_for(self.num_layers) for p in points]
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks: list = []
@@ -95,30 +132,48 @@ class HFEngine(TargetEngine):
         return hf_engine_ref(point, self.num_layers)
 
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
-        return plan_by_tokens(lengths, self.batch_tokens)
+        return pack_by_tokens(lengths, self.batch_tokens)
 
     # -- forward ----------------------------------------------------------------------
-    def _inputs(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        longest = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            mask[i, : len(s)] = 1
-        return ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
+    @contextmanager
+    def _packed_attention(self):
+        """Route the model's attention through :func:`packed_sdpa` for one forward; greedy decoding
+        and serving keep the implementation the model was loaded with."""
+        configs = {id(c): c for c in (self.model.config, self.model.config.get_text_config())}.values()
+        before = [c._attn_implementation for c in configs]
+        for c in configs:
+            c._attn_implementation = PACKED_SDPA
+        try:
+            yield
+        finally:
+            for c, impl in zip(configs, before, strict=True):
+                c._attn_implementation = impl
+
+    def _packed_forward(self, sequences: list[list[int]]) -> None:
+        """The decoder stack over ``sequences`` end to end in one row (no LM head)."""
+        lengths = torch.tensor([len(s) for s in sequences])
+        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None]
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+        with self._packed_attention():
+            self.base(input_ids=ids.to(self.device, non_blocking=True),
+                      position_ids=positions.to(self.device, non_blocking=True),
+                      use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
 
     @torch.inference_mode()
     def forward(self, sequences: list[list[int]]) -> None:
-        """Bare forward through the decoder stack (the benchmark baseline; no LM head)."""
-        ids, mask = self._inputs(sequences)
-        self.base(input_ids=ids, attention_mask=mask, use_cache=False)
+        """Bare packed forward through the decoder stack (the benchmark baseline; no LM head)."""
+        self._packed_forward(sequences)
+        self._captured.clear()
 
     @torch.inference_mode()
     def capture(self, sequences: list[list[int]]) -> CapturedBatch:
+        if self.attn_implementation != "sdpa":  # packing is SDPA's; other kernels run one sequence at a time
+            return captured_batch(self.capture_tensors, sequences, self.dtype)
         self._captured.clear()
-        ids, mask = self._inputs(sequences)
-        self.base(input_ids=ids, attention_mask=mask, use_cache=False)
-        valid = mask.bool()
+        t0 = time.perf_counter()
+        self._packed_forward(sequences)
+        t1 = time.perf_counter()
         on_gpu = self.device.type == "cuda"
         planes: dict[str, torch.Tensor] = {}
         devices = set()
@@ -126,8 +181,7 @@ class HFEngine(TargetEngine):
             key = str(p)
             t = self._captured.pop(key)
             devices.add(t.device)
-            packed = t[valid.to(t.device)].to(torch_dtype(self.dtype))  # [sum T, H], batch order
-            dev_planes = split_planes(packed)                       # [B, sum T, H] uint8
+            dev_planes = split_planes(t[0].to(torch_dtype(self.dtype)))  # [B, sum T, H] uint8, batch order
             if on_gpu:
                 host = torch.empty(dev_planes.shape, dtype=torch.uint8, pin_memory=True)
                 host.copy_(dev_planes, non_blocking=True)
@@ -138,7 +192,8 @@ class HFEngine(TargetEngine):
             for d in devices:  # one sync per batch (per GPU the model spans), not per layer
                 torch.cuda.current_stream(d).synchronize()
         self._captured.clear()
-        return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()})
+        return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()},
+                             seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1})
 
     @torch.inference_mode()
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:

@@ -29,7 +29,7 @@ import torch
 from pipeline import conventions
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
-from pipeline.engines.base import ServeResult, TargetEngine, acceptance, plan_by_tokens
+from pipeline.engines.base import ServeResult, TargetEngine, acceptance, pack_by_tokens
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
 from pipeline.engines.sglang_models import FEED_DIR_ENV
@@ -142,7 +142,7 @@ class SGLangEngine(TargetEngine):
         return sglang_engine_ref(point, self.num_layers, self.family, self.version, self.tp_size)
 
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
-        return plan_by_tokens(lengths, self.batch_tokens)
+        return pack_by_tokens(lengths, self.batch_tokens)
 
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         outs = _generate(self.engine, sequences, 1, return_hidden_states=True)

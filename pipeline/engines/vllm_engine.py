@@ -32,7 +32,7 @@ from pipeline.engines.base import (
     ServeResult,
     TargetEngine,
     acceptance,
-    plan_by_tokens,
+    pack_by_tokens,
     time_decode,
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
@@ -143,7 +143,7 @@ class VLLMEngine(TargetEngine):
         return vllm_engine_ref(point, self.num_layers, self.tp_size)
 
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
-        return plan_by_tokens(lengths, self.batch_tokens)
+        return pack_by_tokens(lengths, self.batch_tokens)
 
     def _run(self, sequences: list[list[int]], max_tokens: int):
         from vllm import SamplingParams

@@ -28,6 +28,7 @@ from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
 from pipeline.identity import target_identity
 from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.store import open_store
+from pipeline.stopwatch import Stopwatch
 from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.dataset import ENCODING, dataset_schema
@@ -138,12 +139,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
     ``use_ray=False`` runs the same steps in this process (tests, and benchmarks on a GPU
     box without Ray).
     """
-    t0 = time.perf_counter()
-    identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
+    clock = Stopwatch()
+    with clock("target_identity"):
+        identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     check_plan(cfg, identity)
     log.info("target %s", identity.describe())
     fs, root = resolve(cfg.output.uri, cfg.s3)
-    scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
+    with clock("source_scan"):
+        scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
     if not scan.rows:
         raise ExtractionError(f"source.uri {cfg.source.uri} has no rows: nothing to extract")
     fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256)
@@ -154,13 +157,15 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
             return m
         raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
     if use_ray:  # before anything is written (a finished dataset needs no cluster)
-        init_ray(cfg.ray.address)
+        clock.start("ray_start")
+        init_ray(cfg.ray.address, dashboard=False)
         r = cfg.ray
         actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
         require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
                           f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}",
                           [actor] * r.num_actors + [{"CPU": r.cpus_per_tokenize_task}],
                           "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
+        clock.stop("ray_start")
     # One job per output at a time: a second one started on it refuses instead of racing.
     lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)
     try:
@@ -172,13 +177,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         if exists(fs, join(root, MANIFEST_NAME)):  # finished while this job waited for the lease
             return load_manifest(cfg.output.uri, cfg.s3)
         _check_job_file(fs, root, fingerprint, cfg)
-        return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, t0)
+        return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, clock)
     finally:
         lease.release()
 
 
 def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, fingerprint: str, progress: bool,
-             use_ray: bool, t0: float) -> DatasetManifest:
+             use_ray: bool, clock: Stopwatch) -> DatasetManifest:
     """Extract every uncommitted unit, then publish the manifest (the lease is held)."""
     schema, provs = build_schema(cfg, identity)
     units = layout.plan_units(len(scan.rows), cfg.output.rows_per_shard)
@@ -191,13 +196,15 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     if pending:
         payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]} for u in pending]
         run = _run_pipeline if use_ray else _run_in_process
-        for rec in run(cfg, schema, payload, progress):
-            done[rec.unit] = rec
+        with clock("capture"):
+            for rec in run(cfg, schema, payload, progress):
+                done[rec.unit] = rec
     done = _committed(fs, root)
     missing = [u.unit for u in units if u.unit not in done]
     if missing:
         raise ExtractionError(f"units {missing[:10]} were not committed; re-run the job to resume")
 
+    clock.start("manifest")
     shards = [done[u.unit] for u in units]
     quarantine = b"".join(read_bytes(fs, join(root, s.quarantine_path)) for s in shards if s.quarantine_path)
     atomic_write_bytes(fs, join(root, layout.QUARANTINE_FILE), quarantine)
@@ -218,16 +225,20 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
         quarantine_path=layout.QUARANTINE_FILE,
     )
     manifest.reconcile()
+    clock.stop("manifest")
     if cfg.fingerprint.probe_samples:
-        manifest.fingerprints = fingerprint_dataset(cfg, manifest)
+        with clock("fingerprints"):
+            manifest.fingerprints = fingerprint_dataset(cfg, manifest)
+    manifest.seconds = clock.totals()
     atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())
     _cleanup_tmp(fs, root)
     t = manifest.totals
-    dt = time.perf_counter() - t0
+    dt = manifest.seconds["total"]
     log.info(
         "extracted %s: input rows %d = written %d + quarantined %d; %d shards, %d tokens, %.1f MB, %.0f tok/s (%.1fs)",
         manifest.dataset_id, t.input_rows, t.rows, t.quarantined, t.shards, t.tokens, t.bytes / 1e6, t.tokens / dt, dt,
     )
+    log.info("where the time went: %s", manifest.time_breakdown())
     return manifest
 
 
@@ -253,7 +264,7 @@ def _cleanup_tmp(fs, root: str) -> None:
 def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
     import ray
 
-    init_ray(cfg.ray.address)
+    init_ray(cfg.ray.address, dashboard=False)
     cfg_json = cfg.model_dump_json()
 
     def tokenize(item: dict) -> dict:
@@ -300,9 +311,11 @@ class CaptureActor:
         if in_ray and not cfg.ray.gpus_per_actor:
             # Ray sets one OMP thread for a fractional or 1-CPU actor; compute with what it holds.
             torch.set_num_threads(max(1, round(cfg.ray.cpus_per_actor)))
+        t0 = time.perf_counter()
         engine = open_engine(cfg)
         self.engine = engine
-        self.writer = UnitWriter(cfg, schema, engine, compress_threads=cfg.ray.writer_threads_per_actor())
+        self.writer = UnitWriter(cfg, schema, engine, compress_threads=cfg.ray.writer_threads_per_actor(),
+                                 engine_start_s=time.perf_counter() - t0)
 
     def close(self) -> None:
         """Release the engine (vLLM/SGLang run their own processes)."""

@@ -11,6 +11,8 @@ import json
 import logging
 import queue
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -33,17 +35,19 @@ class TokenizedUnit:
     end: int
     samples: list[SampleMeta] = field(default_factory=list)
     quarantine: list[dict] = field(default_factory=list)
+    tokenize_s: float = 0.0
 
     def to_json(self) -> bytes:
         return json.dumps({
             "unit": self.unit, "start": self.start, "end": self.end,
-            "samples": [s.__dict__ for s in self.samples], "quarantine": self.quarantine,
+            "samples": [s.__dict__ for s in self.samples], "quarantine": self.quarantine, "tokenize_s": self.tokenize_s,
         }).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> TokenizedUnit:
         d = json.loads(data)
-        return cls(d["unit"], d["start"], d["end"], [SampleMeta(**s) for s in d["samples"]], d["quarantine"])
+        return cls(d["unit"], d["start"], d["end"], [SampleMeta(**s) for s in d["samples"]], d["quarantine"],
+                   d["tokenize_s"])
 
 
 @lru_cache(maxsize=4)
@@ -64,6 +68,7 @@ def quarantine_record(uri: str, row: int, reason: str, data: bytes) -> dict:
 
 def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) -> TokenizedUnit:
     """Parse, template and tokenize rows; every failure becomes a quarantine record."""
+    t0 = time.perf_counter()
     enc = _encoder(cfg.target.path, cfg.max_length, cfg.length_policy)
     out = TokenizedUnit(unit, start, start + len(rows))
     for offset, data in enumerate(rows):
@@ -79,6 +84,7 @@ def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) 
             source_uri=cfg.source.uri, source_row=row, content_sha256=conv.content_sha256,
             input_ids=e.input_ids, loss_mask=e.loss_mask,
         ))
+    out.tokenize_s = time.perf_counter() - t0
     return out
 
 
@@ -89,8 +95,9 @@ class UnitWriter:
     zstd and hashing release the GIL).
     """
 
-    def __init__(self, cfg: ExtractConfig, schema, engine, compress_threads: int = 1):
+    def __init__(self, cfg: ExtractConfig, schema, engine, compress_threads: int = 1, engine_start_s: float = 0.0):
         self.cfg, self.schema, self.engine = cfg, schema, engine
+        self._startup = {"engine_start": engine_start_s}  # charged to the first unit this writer commits
         self.fs, self.root = resolve(cfg.output.uri, cfg.s3)
         self.compress_threads = compress_threads
         self._local_tmp = join(self.root, "_tmp") if not cfg.output.uri.startswith("s3://") else None
@@ -109,19 +116,26 @@ class UnitWriter:
             loss_tokens=sum(sum(s.loss_mask) for s in tu.samples),
             quarantined=len(tu.quarantine), bytes=0, sha256=None,
         )
+        seconds = Counter({"tokenize": tu.tokenize_s, **self._startup})
+        self._startup = {}
         if tu.samples:
-            nbytes, digest = self._write_shard(tu)
+            nbytes, digest = self._write_shard(tu, seconds)
             rec.path, rec.bytes, rec.sha256 = layout.shard_path(tu.unit), nbytes, digest
+        t0 = time.perf_counter()
         if tu.quarantine:
             qp = layout.quarantine_path(tu.unit)
             body = "".join(json.dumps(q, ensure_ascii=False) + "\n" for q in tu.quarantine)
             atomic_write_bytes(self.fs, join(self.root, qp), body.encode())
             rec.quarantine_path = qp
+        seconds["commit"] += time.perf_counter() - t0
+        rec.seconds = {k: round(v, 4) for k, v in seconds.items()}
         # The unit record is the commit point: written last, atomically.
         atomic_write_bytes(self.fs, path, rec.model_dump_json().encode())
         return rec
 
-    def _write_shard(self, tu: TokenizedUnit) -> tuple[int, str]:
+    def _write_shard(self, tu: TokenizedUnit, seconds: Counter) -> tuple[int, str]:
+        """Capture batch after batch while a writer thread encodes the previous one; adds where
+        the time went to ``seconds`` (writer_wait: the capture thread waiting for the writer)."""
         writer = ShardWriter(
             self.fs, join(self.root, layout.shard_path(tu.unit)), self.schema,
             tmp_dir=self._local_tmp, compress_threads=self.compress_threads,
@@ -145,13 +159,20 @@ class UnitWriter:
             for idx in self.engine.plan_batches(lengths):
                 metas = [tu.samples[i] for i in idx]
                 batch: CapturedBatch = self.engine.capture([m.input_ids for m in metas])
+                seconds.update(batch.seconds)
+                t0 = time.perf_counter()
                 q.put((metas, batch.lengths, batch.planes))
+                seconds["writer_wait"] += time.perf_counter() - t0
                 if errors:
                     break
         finally:
+            t0 = time.perf_counter()
             q.put(None)
             t.join()
+            seconds["writer_wait"] += time.perf_counter() - t0
         if errors:
             writer.abort()
             raise errors[0]
-        return writer.commit()
+        out = writer.commit()
+        seconds.update(writer.seconds())
+        return out

@@ -26,6 +26,7 @@ import posixpath
 import re
 from datetime import UTC, datetime
 
+from pipeline.cluster import init_ray
 from pipeline.data.source import scan_source
 from pipeline.extract.job import build_schema, extraction_json, fingerprint_dataset, run_extract
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
@@ -129,6 +130,8 @@ def build_version(cfg: RetrainConfig, identity: TargetIdentity, lineage: str, v:
     log.info("version v%04d: extracting %d new rows of %d in the source", v, len(rows), source_rows)
     part_cfg = cfg.extract_config(posixpath.join(uri, NEW_ROWS_FILE), posixpath.join(uri, "part"))
     part_cfg = part_cfg.model_copy(update={"fingerprint": part_cfg.fingerprint.model_copy(update={"probe_samples": 0})})
+    if cfg.use_ray:  # one Ray for the pass, with the dashboard the training that follows needs
+        init_ray(part_cfg.ray.address)
     part = run_extract(part_cfg, progress=progress, use_ray=cfg.use_ray)
     manifest = compose(part, previous[1] if previous else None, f"{part.target.model_name}-{identity.key[:12]}-v{v:04d}",
                        cfg.s3)

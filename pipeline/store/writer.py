@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,12 +43,16 @@ class _HashingFile:
         self._f = open(path, "wb")
         self.sha = hashlib.sha256()
         self.size = 0
+        self.hash_s = self.write_s = 0.0
         self.closed = False
 
     def write(self, data) -> int:
         mv = memoryview(data)
+        t0 = time.perf_counter()
         self.sha.update(mv)
+        t1 = time.perf_counter()
         self._f.write(mv)
+        self.hash_s, self.write_s = self.hash_s + (t1 - t0), self.write_s + (time.perf_counter() - t1)
         self.size += mv.nbytes
         return mv.nbytes
 
@@ -94,6 +99,14 @@ class ShardWriter:
         self._pool = ThreadPoolExecutor(compress_threads) if compress_threads > 1 else None
         self.rows = 0
         self.tokens = 0
+        self._compress_s = self._table_s = self._commit_s = 0.0
+
+    def seconds(self) -> dict[str, float]:
+        """Where this shard's writing went: compressing planes, Parquet encoding, SHA-256,
+        writes to the file, and the commit (close, fsync, publish)."""
+        sink = self._sink.hash_s + self._sink.write_s
+        return {"compress": self._compress_s, "parquet": max(0.0, self._table_s - sink),
+                "hash": self._sink.hash_s, "write": self._sink.write_s, "commit": self._commit_s}
 
     def write(self, metas: list[SampleMeta], lengths: list[int], planes: dict[str, np.ndarray]) -> None:
         """Append one row group: ``metas[i]`` describes the i-th of the samples packed end to end in
@@ -129,7 +142,9 @@ class ShardWriter:
                 field = self.schema.field(name)
                 cols[name] = self._plane_array(point_planes[k], token_offsets, h, field.metadata[META_CODEC])
         table = pa.Table.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
+        t0, sink0 = time.perf_counter(), self._sink.hash_s + self._sink.write_s
         self._writer.write_table(table, row_group_size=len(metas))
+        self._table_s += time.perf_counter() - t0 - (self._sink.hash_s + self._sink.write_s - sink0)
         self.rows += len(metas)
         self.tokens += int(token_offsets[-1])
 
@@ -140,19 +155,23 @@ class ShardWriter:
             data = pa.py_buffer(np.ascontiguousarray(plane))
             offsets = pa.py_buffer(token_offsets * h)
         else:
+            t0 = time.perf_counter()
             cells = [plane[token_offsets[i] : token_offsets[i + 1]] for i in range(n)]
             blobs = list(self._pool.map(compress_plane, cells)) if self._pool else [compress_plane(c) for c in cells]
+            self._compress_s += time.perf_counter() - t0
             offsets = pa.py_buffer(np.concatenate([[0], np.cumsum([len(x) for x in blobs])]).astype(np.int64))
             data = pa.py_buffer(b"".join(blobs))
         return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, offsets, data])
 
     def commit(self) -> tuple[int, str]:
         """Close, fsync and publish; returns (bytes, sha256) of the published shard."""
+        t0 = time.perf_counter()
         self._writer.close()
         self._sink.close()
         if self._pool:
             self._pool.shutdown()
         publish_local_file(self._tmp, self.fs, self.path)
+        self._commit_s += time.perf_counter() - t0
         return self._sink.size, self._sink.sha.hexdigest()
 
     def abort(self) -> None:

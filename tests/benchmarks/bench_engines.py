@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 
 from pipeline.engines import vllm_engine  # noqa: E402
-from pipeline.engines.base import plan_by_tokens  # noqa: E402
+from pipeline.engines.base import pack_by_tokens  # noqa: E402
 from pipeline.engines.hf import HFEngine  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.store.reader import DatasetReader  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> None:
 
     seqs = [s.input_ids.tolist() for s in DatasetReader(str(root / "ds-hf")).iter_samples()]
     tokens = sum(len(s) for s in seqs)
-    batches = [[seqs[i] for i in b] for b in plan_by_tokens([len(s) for s in seqs], 4096)]
+    batches = [[seqs[i] for i in b] for b in pack_by_tokens([len(s) for s in seqs], 4096)]
     points = parse_points(POINTS)
     hf = HFEngine(target, points, "float32", "cpu", batch_tokens=4096)
     hf_s = timed_capture(hf, batches)
