@@ -125,7 +125,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
         path = ensure_demo(DEMO_ROOT)
         print(f"no --config: using the embedded default {path}")
         cfg = load_config(path, ExtractConfig)
-    m = run_extract(cfg, progress=not args.no_progress)
+    m = run_extract(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
     t = m.totals
     print(
         f"dataset {m.dataset_id} at {cfg.output.uri}: input rows {t.input_rows} = written {t.rows} + "
@@ -408,6 +408,8 @@ def _add_job_commands(sub) -> None:
     s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
     s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-ray", action="store_true",
+                   help="one engine in this process (no Ray start, no actors: a single machine's quickest path)")
     s.set_defaults(func=cmd_extract)
 
     s = sub.add_parser("train", help="train an EAGLE-3 draft with DeepSpeed on Ray Train, then export it")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
+import threading
 import time
+from collections.abc import Iterator
+from typing import TypeVar
 
 from pipeline.errors import UnusableInput
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _started_locally = False  # this process started the Ray runtime it uses (no node will join it)
 
@@ -98,3 +103,39 @@ def require_resources(plan: str, bundles: list[dict[str, float]], fix: str, wait
         waited = f" after waiting {wait_s:g} s for the autoscaler" if wait_s > 0 and not _started_locally else ""
         raise UnusableInput(f"{plan} = {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''}, but the Ray cluster has "
                             f"{cpu:g} CPUs{f' and {gpu:g} GPUs' if gpus else ''}{waited}: {fix}, or add nodes")
+
+
+class Stalled(RuntimeError):
+    """Nothing finished for longer than a job allows: Ray queues work it cannot schedule without a
+    word (a node lost mid-run, CPUs taken by another job), so the job stops and says so."""
+
+
+def stall_guard(items: Iterator[T], timeout_s: float | None, what: str, fix: str) -> Iterator[T]:
+    """``items`` as they arrive (pulled on a helper thread); raises :class:`Stalled` naming
+    ``what`` and ``fix`` when none arrives for ``timeout_s`` seconds (None or 0: wait forever)."""
+    if not timeout_s:
+        yield from items
+        return
+    q: queue.Queue = queue.Queue(maxsize=1)
+    end = object()
+
+    def pump() -> None:
+        try:
+            for item in items:
+                q.put(item)
+        except BaseException as e:  # re-raised on the consumer's thread
+            q.put(e)
+        q.put(end)
+
+    threading.Thread(target=pump, name="stall-guard", daemon=True).start()
+    while True:
+        try:
+            item = q.get(timeout=timeout_s)
+        except queue.Empty:
+            raise Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
+                          f"(`ray status` lists pending demands) or the work is stuck; {fix}") from None
+        if item is end:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item

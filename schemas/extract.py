@@ -42,6 +42,9 @@ class RayConfig(Strict):
     resource_wait_s: float = Field(
         600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
         "provide the actors' CPUs/GPUs before refusing (a local Ray is checked at once)")
+    stall_timeout_s: float | None = Field(
+        3600, ge=0, description="stop with an error when no unit is committed for this long (the first unit "
+        "includes loading the target); Ray otherwise waits forever on work it cannot schedule. 0 or null: no limit")
     writer_threads: int | None = Field(
         None, ge=1, description="threads per capture actor that compress and write byte planes while the engine "
         "computes the next batch; None: one per CPU the actor holds beyond the first, at least one")

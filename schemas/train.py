@@ -73,6 +73,13 @@ class TrainConfig(Strict):
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     num_workers: int = Field(2, ge=1)
     cpus_per_worker: float = Field(1.0, gt=0)
+    data_loading: Literal["worker", "ray_data"] = Field(
+        "worker", description="worker: each training worker reads and decodes its own batches on a background "
+        "thread, two ahead (no copies between processes); ray_data: Ray Data tasks (0.25 CPU each) decode "
+        "them elsewhere on the cluster, for when the workers' nodes have no CPU to spare")
+    stall_timeout_s: float | None = Field(
+        3600, ge=0, description="ray_data loading: a worker stops with an error when no batch arrives for this "
+        "long (Ray waits forever on decode tasks it cannot schedule). 0 or null: no limit")
     use_gpu: bool = False
     ray_address: str | None = None
     resource_wait_s: float = Field(

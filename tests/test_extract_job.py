@@ -350,3 +350,51 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
                                             r"waiting 2 s for the autoscaler: lower ray"):
         run_extract(validate_config(raw, ExtractConfig), progress=False)
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_job_that_stops_progressing_fails_instead_of_waiting_forever(tiny_target, source, tmp_path):
+    """Ray queues work it cannot schedule without a word; the job gives up after
+    ray.stall_timeout_s without a committed unit (here shorter than starting the capture actor)
+    and says what to do, exit 1, with nothing published."""
+    src, _ = source
+    cfg_path = write_config(tmp_path, tiny_target, src, tmp_path / "ds")
+    cfg = json.loads(cfg_path.read_text())
+    cfg["ray"]["stall_timeout_s"] = 0.5
+    cfg_path.write_text(json.dumps(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", str(cfg_path), "--no-progress"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    assert "nothing finished in 0.5 s" in run.stderr and "ray.stall_timeout_s" in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_the_stall_guard_passes_items_and_errors_through_and_names_a_stall():
+    """The helper both jobs use around Ray Data iterators (extraction's units, training's
+    ray_data batches): items and the source's own error pass through; silence is an error."""
+    import time
+
+    from pipeline.cluster import Stalled, stall_guard
+
+    assert list(stall_guard(iter(range(5)), 5.0, "x", "fix")) == [0, 1, 2, 3, 4]
+
+    def failing():
+        yield 1
+        raise KeyError("boom")
+
+    got = []
+    with pytest.raises(KeyError, match="boom"):
+        for item in stall_guard(failing(), 5.0, "x", "fix"):
+            got.append(item)
+    assert got == [1]
+
+    def silent():
+        yield 1
+        time.sleep(30)
+        yield 2
+
+    got = []
+    with pytest.raises(Stalled, match=r"decoding: nothing finished in 0.3 s\. .* raise the limit"):
+        for item in stall_guard(silent(), 0.3, "decoding", "raise the limit"):
+            got.append(item)
+    assert got == [1]

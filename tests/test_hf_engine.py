@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.engines import hf as hf_engine
+from pipeline import packing
 from pipeline.engines.hf import HFEngine
 from pipeline.store.encoding import bits_to_torch, join_planes
 from schemas.capture import CapturePoint as C
@@ -87,7 +87,7 @@ def test_packed_capture_is_bit_identical_to_one_sequence_at_a_time(tiny_target, 
             assert torch.equal(got, alone[str(p)][i].to(got.dtype)), (str(p), i, len(seqs[i]))
     # and the row is really one forward: one call of the packed attention per layer, not one per sequence
     calls = []
-    orig = hf_engine.packed_sdpa
+    orig = packing.packed_sdpa
 
     def spy(*a, **kw):
         calls.append(kw.get("cu_seq_lens_q"))
@@ -95,11 +95,11 @@ def test_packed_capture_is_bit_identical_to_one_sequence_at_a_time(tiny_target, 
 
     from transformers import AttentionInterface
 
-    AttentionInterface.register(hf_engine.PACKED_SDPA, spy)
+    AttentionInterface.register(packing.PACKED_SDPA, spy)
     try:
         eng.capture(seqs)
     finally:
-        AttentionInterface.register(hf_engine.PACKED_SDPA, orig)
+        AttentionInterface.register(packing.PACKED_SDPA, orig)
     assert len(calls) == N and all(c is not None and c.tolist()[-1] == sum(map(len, seqs)) for c in calls)
     assert eng.model.config._attn_implementation == "sdpa"  # serving keeps the loaded implementation
 
@@ -119,7 +119,7 @@ def test_never_uses_output_hidden_states(tiny_target, monkeypatch):
 
 
 def test_batches_are_consecutive_samples_within_the_token_budget():
-    from pipeline.engines.base import pack_by_tokens
+    from pipeline.packing import pack_by_tokens
 
     lengths = [10, 50, 20, 50, 5, 30, 120, 7]
     batches = pack_by_tokens(lengths, 100)

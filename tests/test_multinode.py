@@ -90,7 +90,7 @@ def test_training_resumes_after_a_node_removed_mid_run(cluster, trained_run, tin
     cfg = {"dataset": str(trained_run.parent / "ds"), "target": {"path": str(tiny_target)}, "output": str(out),
            "draft_vocab_size": 4096, "ttt_steps": 2, "batch_tokens": 512, "epochs": 2, "max_steps": 12,
            "checkpoint_every": 3, "metrics_every": 3, "eval_fraction": 0.0, "num_workers": 2,
-           "cpus_per_worker": 1.0, "optim": {"lr": 3e-3, "warmup_steps": 2},
+           "cpus_per_worker": 1.0, "data_loading": "ray_data", "optim": {"lr": 3e-3, "warmup_steps": 2},
            "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32"}}
     job = launch("train", cfg, tmp_path, c.address)
     wait_for(lambda: (out / "checkpoints" / "latest.json").exists(), job, timeout=600)

@@ -86,6 +86,11 @@ def test_zero2_on_two_workers_trains_and_loss_falls(trained):
     assert ev["acc_per_pos"][0] > 0.1 and ev["sim_accept_len"] > 0.1
     assert (out / "checkpoints" / "latest.json").exists()
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())[0] == "step-000006"
+    # Where the job's time went: disjoint stages inside the total, the same record on disk.
+    sec = result["seconds"]
+    assert list(sec) == ["ray_start", "prepare", "fit", "heldout_acceptance", "export", "total"]
+    assert all(v >= 0 for v in sec.values()) and sum(sec.values()) - sec["total"] <= sec["total"] and sec["fit"] > 0
+    assert json.loads((out / "timing.json").read_text()) == sec
 
 
 @pytest.mark.ray
@@ -350,15 +355,18 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
 
 @pytest.mark.ray
 def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected, tiny_target, dataset, tmp_path):
-    """Workers that take every CPU leave none for the data decode tasks: Ray would wait forever."""
+    """Workers that take every CPU leave none for Ray Data's decode tasks, and workers that want
+    more CPUs than the cluster has never start: Ray would wait forever on either."""
     import ray
 
     cpus = ray.cluster_resources()["CPU"]
-    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
-                                               cpus_per_worker=cpus, resource_wait_s=0))
-    with pytest.raises(ValueError, match=r"CPU for the data decode tasks .* but the Ray cluster has"):
-        run_train(cfg)
-    assert not (tmp_path / "run").exists()  # refused before anything was written
+    for kw, needle in [({"cpus_per_worker": cpus, "data_loading": "ray_data"}, r"CPU for the data decode tasks .* but "),
+                       ({"cpus_per_worker": cpus + 1}, rf"1 workers x cpus_per_worker {cpus + 1:g} .* but ")]:
+        cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
+                                                   resource_wait_s=0, **kw))
+        with pytest.raises(ValueError, match=needle + "the Ray cluster has"):
+            run_train(cfg)
+        assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():

@@ -171,20 +171,3 @@ def captured_batch(capture_tensors, sequences: list[list[int]], dtype: str) -> C
     planes = {k: split_planes(torch.cat(v).to(torch_dtype(dtype)).contiguous()).numpy() for k, v in per_point.items()}
     return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes,
                          seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1})
-
-
-def pack_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Consecutive samples, in order, while their tokens fit the budget (a longer sample runs
-    alone). No engine pads, so real tokens are what a batch costs."""
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > batch_tokens:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
-    return batches

@@ -1,21 +1,16 @@
 """HF transformers engine: forward hooks capture typed points; never output_hidden_states.
 
-A batch is packed, not padded: its sequences run end to end in one row, each with its own
-positions, and attention runs per sequence with the same SDPA call a lone sequence gets
-(:func:`packed_sdpa`). No compute goes to padding, and the captured values are bit-identical
-to capturing each sequence alone: always in bf16; in fp32 wherever the BLAS rounds a row the
-same inside a larger matrix (not in its tail micro-kernels -- see the test). Hooks keep references to
-tensors the forward pass creates anyway; after the forward they are split into byte planes
-on the device and copied to pinned host memory with one synchronisation per batch.
+A batch is packed, not padded (``pipeline.packing``): its sequences run end to end in one
+row, each attending to itself alone, so the captured values equal capturing each sequence
+alone. Hooks keep references to tensors the forward pass creates anyway; after the forward
+they are split into byte planes on the device and copied to pinned host memory with one
+synchronisation per batch.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
-from functools import lru_cache
-from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -32,41 +27,13 @@ from pipeline.engines.base import (
     TargetEngine,
     acceptance,
     captured_batch,
-    pack_by_tokens,
 )
+from pipeline.packing import pack_by_tokens, packed_forward
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
-
-PACKED_SDPA = "strata_packed_sdpa"
-
-
-def packed_sdpa(module, query, key, value, attention_mask, cu_seq_lens_q=None, cu_seq_lens_k=None, **kwargs):
-    """SDPA for sequences packed end to end in one row (boundaries in ``cu_seq_lens_q``).
-
-    Each sequence attends causally to itself alone through HF's own SDPA call on its slice --
-    exactly the call it gets when it runs alone, so nothing is computed for padding or for
-    attention across sequences. Without boundaries this is plain SDPA.
-    """
-    # imported here: the module costs ~2 s, which a driver that never loads a model should not pay
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if cu_seq_lens_q is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-            for s, e in pairwise(cu_seq_lens_q.tolist())]
-    return torch.cat(outs, dim=1), None
-
-
-@lru_cache(maxsize=1)
-def register_packed_sdpa() -> None:
-    """Make :func:`packed_sdpa` an attention implementation transformers can dispatch to."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa)
-
 
 def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
     """Provenance of a point captured by this engine; needs no loaded model."""
@@ -111,7 +78,6 @@ class HFEngine(TargetEngine):
             device_map="auto" if multi_gpu else None,
         )
         model.eval()
-        register_packed_sdpa()
         if not multi_gpu:
             model.to(self.device)
         self.model = model
@@ -135,35 +101,10 @@ class HFEngine(TargetEngine):
         return pack_by_tokens(lengths, self.batch_tokens)
 
     # -- forward ----------------------------------------------------------------------
-    @contextmanager
-    def _packed_attention(self):
-        """Route the model's attention through :func:`packed_sdpa` for one forward; greedy decoding
-        and serving keep the implementation the model was loaded with."""
-        configs = {id(c): c for c in (self.model.config, self.model.config.get_text_config())}.values()
-        before = [c._attn_implementation for c in configs]
-        for c in configs:
-            c._attn_implementation = PACKED_SDPA
-        try:
-            yield
-        finally:
-            for c, impl in zip(configs, before, strict=True):
-                c._attn_implementation = impl
-
-    def _packed_forward(self, sequences: list[list[int]]) -> None:
-        """The decoder stack over ``sequences`` end to end in one row (no LM head)."""
-        lengths = torch.tensor([len(s) for s in sequences])
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)[None]
-        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
-        bounds = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
-        with self._packed_attention():
-            self.base(input_ids=ids.to(self.device, non_blocking=True),
-                      position_ids=positions.to(self.device, non_blocking=True),
-                      use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
-
     @torch.inference_mode()
     def forward(self, sequences: list[list[int]]) -> None:
         """Bare packed forward through the decoder stack (the benchmark baseline; no LM head)."""
-        self._packed_forward(sequences)
+        packed_forward(self.model, self.base, sequences, self.device)
         self._captured.clear()
 
     @torch.inference_mode()
@@ -172,7 +113,7 @@ class HFEngine(TargetEngine):
             return captured_batch(self.capture_tensors, sequences, self.dtype)
         self._captured.clear()
         t0 = time.perf_counter()
-        self._packed_forward(sequences)
+        packed_forward(self.model, self.base, sequences, self.device)
         t1 = time.perf_counter()
         on_gpu = self.device.type == "cuda"
         planes: dict[str, torch.Tensor] = {}

@@ -29,11 +29,12 @@ import torch
 from pipeline import conventions
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
-from pipeline.engines.base import ServeResult, TargetEngine, acceptance, pack_by_tokens
+from pipeline.engines.base import ServeResult, TargetEngine, acceptance
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
 from pipeline.engines.sglang_models import FEED_DIR_ENV
 from pipeline.identity import target_config, target_identity
+from pipeline.packing import pack_by_tokens
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 

@@ -32,13 +32,13 @@ from pipeline.engines.base import (
     ServeResult,
     TargetEngine,
     acceptance,
-    pack_by_tokens,
     time_decode,
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
 from pipeline.engines.vllm_feed import EXTENSION
 from pipeline.identity import target_config, text_config
+from pipeline.packing import pack_by_tokens
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 import pipeline
 from pipeline import fingerprint
-from pipeline.cluster import init_ray, require_resources
+from pipeline.cluster import init_ray, require_resources, stall_guard
 from pipeline.conventions import boundary_label, describe_point
 from pipeline.data.source import scan_source
 from pipeline.engines import engine_ref, open_engine
@@ -202,7 +202,7 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     done = _committed(fs, root)
     missing = [u.unit for u in units if u.unit not in done]
     if missing:
-        raise ExtractionError(f"units {missing[:10]} were not committed; re-run the job to resume")
+        raise RuntimeError(f"units {missing[:10]} were not committed; re-run the job to resume")
 
     clock.start("manifest")
     shards = [done[u.unit] for u in units]
@@ -284,7 +284,10 @@ def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], pr
     )
     bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
     tokens = 0
-    for row in ds.iter_rows():
+    rows = stall_guard(ds.iter_rows(), cfg.ray.stall_timeout_s, f"extraction of {len(payload)} units",
+                       "re-run to resume (committed units are kept), after freeing or adding resources or raising "
+                       "ray.stall_timeout_s")
+    for row in rows:
         rec = ShardRecord.model_validate_json(row["record"])
         tokens += rec.tokens
         bar.update(1)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.cluster import stall_guard
 from pipeline.store.reader import DatasetReader, SampleRef
 from schemas.capture import CapturePoint
 
@@ -103,11 +104,11 @@ class BatchStream:
 
     def __init__(self, dataset_uri: str, s3, refs: list[SampleRef], plan: list[list[list[int]]], rank: int,
                  start_step: int, aux: list[CapturePoint], final: CapturePoint, use_ray: bool,
-                 cpus_per_task: float = 0.25):
+                 cpus_per_task: float = 0.25, stall_timeout_s: float | None = None):
         self.uri, self.s3, self.refs, self.rank = dataset_uri, s3, refs, rank
         self.items = [(s, plan[s][rank]) for s in range(start_step, len(plan))]
         self.aux, self.final = [str(p) for p in aux], str(final)
-        self.use_ray, self.cpus = use_ray, cpus_per_task
+        self.use_ray, self.cpus, self.stall_timeout_s = use_ray, cpus_per_task, stall_timeout_s
         self.wait_s = 0.0
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
@@ -158,5 +159,7 @@ class BatchStream:
         ctx.enable_progress_bars = False
         ds = ray.data.from_items([{"step": s, "idx": list(i)} for s, i in self.items], override_num_blocks=len(self.items))
         ds = ds.map(decode, num_cpus=self.cpus)
-        for row in ds.iter_rows():
+        rows = stall_guard(ds.iter_rows(), self.stall_timeout_s, f"rank {self.rank}'s Ray Data decode tasks",
+                           "free or add CPUs for them, use data_loading: worker, or raise stall_timeout_s")
+        for row in rows:
             yield int(row["step"]), to_batch(row)

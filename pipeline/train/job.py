@@ -24,6 +24,7 @@ from pipeline.draft.model import DraftConfig
 from pipeline.draft.vocab import build_draft_vocab, count_trained_tokens
 from pipeline.fingerprint import Fingerprints
 from pipeline.identity import target_config, target_identity
+from pipeline.stopwatch import Stopwatch
 from pipeline.store.fs import (
     atomic_write_bytes,
     join,
@@ -162,20 +163,28 @@ def _token_masks(reader: DatasetReader):
 
 
 def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
+    """Train, measure held-out acceptance, export; ``seconds`` says where the wall time went
+    (also written to ``timing.json`` in the run directory and logged)."""
+    clock = Stopwatch()
     if use_ray:  # before anything is written
-
-        init_ray(cfg.ray_address)
-        check_resources(cfg)
-    plan = prepare(cfg)
-    plan.use_ray_data = use_ray
+        with clock("ray_start"):
+            init_ray(cfg.ray_address)
+            check_resources(cfg)
+    with clock("prepare"):  # verify shards, draft vocab, plan
+        plan = prepare(cfg)
+    plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
     plan_json = json.dumps(dataclasses.asdict(plan))
-    if use_ray:
-        result = _fit_on_ray(cfg, plan_json)
-    else:
-        result = _fit_in_process(plan_json)
-    heldout.measure_and_record(cfg, plan.aux, result, use_ray)
-    manifests = export_run(cfg.output, cfg.s3)
-    return {"metrics": result, "exports": manifests}
+    with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
+        result = _fit_on_ray(cfg, plan_json) if use_ray else _fit_in_process(plan_json)
+    with clock("heldout_acceptance"):
+        heldout.measure_and_record(cfg, plan.aux, result, use_ray)
+    with clock("export"):
+        manifests = export_run(cfg.output, cfg.s3)
+    seconds = clock.totals()
+    fs, root = resolve(cfg.output, cfg.s3)
+    atomic_write_bytes(fs, join(root, TIMING_FILE), json.dumps(seconds, indent=1).encode())
+    log.info("where the time went: %s", ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()))
+    return {"metrics": result, "exports": manifests, "seconds": seconds}
 
 
 def single_process_env() -> None:
@@ -212,16 +221,18 @@ def _ray_worker(config: dict) -> None:
     train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
 
 
+TIMING_FILE = "timing.json"
 DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.data.BatchStream)
 
 
 def check_resources(cfg: TrainConfig) -> None:
-    """The workers and at least one data decode task must fit the cluster."""
+    """The workers (and with ray_data loading, at least one decode task) must fit the cluster."""
     worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1.0} if cfg.use_gpu else {})}
-    require_resources(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g} + "
-                      f"{DECODE_TASK_CPUS} CPU for the data decode tasks",
-                      [worker] * cfg.num_workers + [{"CPU": DECODE_TASK_CPUS}], "lower cpus_per_worker or num_workers",
-                      cfg.resource_wait_s)
+    decode = cfg.data_loading == "ray_data"
+    require_resources(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g}"
+                      + (f" + {DECODE_TASK_CPUS} CPU for the data decode tasks" if decode else ""),
+                      [worker] * cfg.num_workers + ([{"CPU": DECODE_TASK_CPUS}] if decode else []),
+                      "lower cpus_per_worker or num_workers", cfg.resource_wait_s)
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:

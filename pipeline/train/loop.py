@@ -69,7 +69,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     while step < total:
         epoch = bisect.bisect_right(epoch_start, step) - 1
         stream = BatchStream(cfg.dataset, cfg.s3, refs, plans[epoch], rank, step - epoch_start[epoch],
-                             trainer.aux, trainer.final, use_ray=plan.use_ray_data)
+                             trainer.aux, trainer.final, use_ray=plan.use_ray_data,
+                             stall_timeout_s=cfg.stall_timeout_s)
         for _, batch in stream:
             t0 = time.perf_counter()
             out = trainer.step(batch)

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 
 from pipeline.engines import vllm_engine  # noqa: E402
-from pipeline.engines.base import pack_by_tokens  # noqa: E402
 from pipeline.engines.hf import HFEngine  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
+from pipeline.packing import pack_by_tokens  # noqa: E402
 from pipeline.store.reader import DatasetReader  # noqa: E402
 from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402

@@ -1,17 +1,19 @@
 """The extraction job a user runs, next to a bare-forward script over the same conversations.
 
 A: ``python -m pipeline.cli extract --config ...`` in a fresh process (imports, target hashing,
-   Ray start, actor start, model load, tokenize, capture, write, manifest, fingerprints).
+   Ray start, actor start, model load, tokenize, capture, write, manifest, fingerprints);
+   and the same with ``--no-ray`` (one engine in the CLI's process).
 B: a plain script a user would write without Strata: import torch and transformers, load the
    target, apply the chat template, run the decoder stack over each conversation alone (no
    padding) -- no Ray, nothing written.
 
-Runs alternate A, B, A, B, ... at the full size (min/median/max and the machine's load are
+Runs alternate A, B, A --no-ray, ... at the full size (min/median/max and the machine's load are
 saved), then once each at smaller sizes for the wall-time-vs-dataset-size curve, whose
 intercept is the fixed cost and whose slope is the per-token cost. The job's own breakdown
 (the manifest's per-stage seconds) says where its time went.
 
     python tests/benchmarks/bench_extract_job.py                 # mid size: hidden 1024, 8 layers, vocab 32K
+    python tests/benchmarks/bench_extract_job.py --engine vllm --sizes 50 --repeats 1  # vLLM, incl. its start
     python tests/benchmarks/bench_extract_job.py --shape tiny --sizes 10,20 --repeats 1   # smoke
 """
 
@@ -88,25 +90,28 @@ def build_target(shape: str, root: Path) -> Path:
     return out
 
 
-def job_config(target: Path, conversations: Path, out: Path, cpus: int) -> dict:
-    """One capture actor holding every CPU but the tokenize task's quarter."""
+def job_config(target: Path, conversations: Path, out: Path, cpus: int, engine: str = "hf") -> dict:
+    """One capture actor holding every CPU but the tokenize task's quarter. vLLM captures the
+    residual stream only: its fourth point is the pre-norm final state."""
+    final = "final:post_norm" if engine == "hf" else "final:pre_norm"
     return {
         "target": {"path": str(target)}, "source": {"uri": str(conversations)}, "output": {"uri": str(out)},
-        "capture": ["layer_output:1", "layer_output:3", "layer_output:4", "final:post_norm"],
-        "engine": {"name": "hf", "dtype": "bfloat16", "device": "cpu"},
+        "capture": ["layer_output:1", "layer_output:3", "layer_output:4", final],
+        "engine": {"name": engine, "dtype": "bfloat16", "device": "cpu"},
         "ray": {"num_actors": 1, "cpus_per_actor": cpus - 0.25, "cpus_per_tokenize_task": 0.25},
     }
 
 
-def run_job(cfg: dict, work: Path) -> dict:
+def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
     import yaml
 
     path = work / "extract.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "RAY_ADDRESS": ""}
+    cmd = [sys.executable, "-m", "pipeline.cli", "extract", "--config", str(path), "--no-progress"]
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", str(path), "--no-progress"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    run = subprocess.run(cmd + ([] if ray else ["--no-ray"]), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=1800)
     wall = time.perf_counter() - t0
     if run.returncode:
         raise SystemExit(f"extraction job failed ({run.returncode}):\n{run.stderr[-4000:]}")
@@ -117,12 +122,13 @@ def run_job(cfg: dict, work: Path) -> dict:
     s = m.seconds
     # The capture actor's critical path; what else the capture stage took is Ray's (scheduling,
     # Ray Data start, object transfers) or waiting for the first unit's tokens.
-    actor = sum(units.get(k, 0.0) for k in ("engine_start", "forward", "byte_split", "writer_wait", "commit"))
+    actor = sum(units.get(k, 0.0) for k in ("engine_start", "forward", "byte_split", "writer_wait", "commit",
+                                            *(() if ray else ("tokenize",))))
     return {
         "wall_s": wall, "tokens": m.totals.tokens, "bytes": m.totals.bytes,
         "job_stages_s": s, "unit_stages_summed_s": {k: round(v, 4) for k, v in units.items()},
         "process_start_and_imports_s": wall - s["total"],
-        "ray_overhead_s": s["capture"] - actor,
+        "ray_overhead_s": s["capture"] - actor if ray else None,
     }
 
 
@@ -155,6 +161,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=200)
     ap.add_argument("--sizes", default="50,100", help="smaller dataset sizes for the scaling curve")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     ap.add_argument("--work", default=None, help="directory for the target (cached) and outputs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -170,16 +177,18 @@ def main() -> None:
         convs[n] = work / f"conversations-{n}.jsonl"
         write_conversations(convs[n], n)
 
-    def job(n: int, tag: str) -> dict:
+    def job(n: int, tag: str, ray: bool = True) -> dict:
         out = Path(tempfile.mkdtemp(prefix=f"ds-{tag}-", dir=work)) / "ds"
-        return run_job(job_config(target, convs[n], out, cpus), work)
+        return run_job(job_config(target, convs[n], out, cpus, a.engine), work, ray)
 
     load_before = os.getloadavg()
-    jobs, bares = [], []
-    for r in range(a.repeats):  # alternated, so drift in the machine hits both alike
+    jobs, bares, local = [], [], []
+    for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
         jobs.append(job(a.conversations, f"r{r}"))
         bares.append(run_bare(target, convs[a.conversations]))
-        print(f"repeat {r}: job {jobs[-1]['wall_s']:.1f}s, bare script {bares[-1]['wall_s']:.1f}s", flush=True)
+        local.append(job(a.conversations, f"l{r}", ray=False))
+        print(f"repeat {r}: job {jobs[-1]['wall_s']:.1f}s, bare script {bares[-1]['wall_s']:.1f}s, "
+              f"job --no-ray {local[-1]['wall_s']:.1f}s", flush=True)
     curve = [{"conversations": a.conversations, "tokens": j["tokens"], "job_wall_s": j["wall_s"],
               "bare_wall_s": b["wall_s"]} for j, b in zip(jobs, bares, strict=True)]
     for n in sizes:
@@ -189,15 +198,17 @@ def main() -> None:
     load_after = os.getloadavg()
 
     best = min(jobs, key=lambda j: j["wall_s"])
-    job_fit = fit([(c["tokens"], c["job_wall_s"]) for c in curve])
-    bare_fit = fit([(c["tokens"], c["bare_wall_s"]) for c in curve])
+    by_size = {n: [c for c in curve if c["conversations"] == n] for n in sizes}  # one point per size: the median
+    job_fit = fit([(cs[0]["tokens"], statistics.median(c["job_wall_s"] for c in cs)) for cs in by_size.values()])
+    bare_fit = fit([(cs[0]["tokens"], statistics.median(c["bare_wall_s"] for c in cs)) for cs in by_size.values()])
     capture = [j["job_stages_s"]["capture"] for j in jobs]
     forward = [b["forward_s"] for b in bares]
     result = {
-        "benchmark": "extract_job", "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
+        "benchmark": "extract_job", "engine": a.engine, "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
         "model": SHAPES[a.shape], "dtype": "bfloat16", "conversations": a.conversations, "tokens": best["tokens"],
         "loadavg_before": load_before, "loadavg_after": load_after,
         "job_wall_s": spread([j["wall_s"] for j in jobs]),
+        "job_no_ray_wall_s": spread([j["wall_s"] for j in local]),
         "bare_script_wall_s": spread([b["wall_s"] for b in bares]),
         "bare_forward_s": spread(forward),
         "job_capture_stage_s": spread(capture),
@@ -205,6 +216,8 @@ def main() -> None:
             # what a user pays: bare script wall / job wall (both from process start)
             "whole_job_over_bare_script": statistics.median(b["wall_s"] for b in bares)
             / statistics.median(j["wall_s"] for j in jobs),
+            "whole_job_no_ray_over_bare_script": statistics.median(b["wall_s"] for b in bares)
+            / statistics.median(j["wall_s"] for j in local),
             # keeps up with its target: the job's capture stage (capture + write + commit, with Ray)
             # against the bare script's forward loop, same tokens
             "capture_stage_over_bare_forward": statistics.median(forward) / statistics.median(capture),
@@ -222,13 +235,15 @@ def main() -> None:
         "scaling_curve": sorted(curve, key=lambda c: c["conversations"]),
         "fit_job": job_fit, "fit_bare_script": bare_fit,
         "breakdown_best_job": {k: best[k] for k in ("job_stages_s", "unit_stages_summed_s")},
-        "note": "job: python -m pipeline.cli extract, one capture actor with all CPUs but 0.25 (tokenize), "
+        "breakdown_best_job_no_ray": {k: min(local, key=lambda j: j["wall_s"])[k]
+                                      for k in ("job_stages_s", "unit_stages_summed_s")},
+        "note": "job: python -m pipeline.cli extract with the engine named above, one capture actor with all CPUs but 0.25 (tokenize), "
                 "4 capture points, zstd byte planes, fsync + atomic publish, manifest and 16 probe fingerprints. "
                 "bare: plain HF script, one conversation per forward (no padding), nothing written. "
                 "unit stages are summed over units and run concurrently (writer threads), so they can exceed "
                 "the capture stage's wall time.",
     }
-    save_result(result, f"extract_job_{a.shape}_cpu.json", a.out)
+    save_result(result, f"extract_job_{a.shape}_{a.engine}_cpu.json", a.out)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ may lack Ray, DeepSpeed, vLLM, zstandard and pydantic, and have no network. Prin
 JSON; every figure is a ratio against a baseline measured in the same run.
 
 1. extraction: a random-init Llama of the given shape over conversations of realistic,
-   variable lengths (sorted into token-budget batches). Baseline: the bare forward. Measured:
-   the same forward with hooks on the EAGLE-3 aux boundaries and the final norm, the valid
-   tokens packed and split into byte planes on the device, one pinned device-to-host copy
+   variable lengths, packed end to end into token-budget batches as the HF engine runs them
+   (``pipeline.packing``: no padding). Baseline: the bare packed forward. Measured: the same
+   forward with hooks on the EAGLE-3 aux boundaries and the final norm, the tokens split
+   into byte planes on the device, one pinned device-to-host copy
    per batch, and ``writers`` threads writing byte-plane Parquet shards (exponent plane zstd,
    mantissa planes raw, as Strata's byte_planes_v1) with fsync, overlapped with the next
    forward. Goal on an H200 at the 8B shape: capture >= 0.90 of the bare forward.
@@ -40,6 +41,7 @@ from _results import save_result  # noqa: E402
 from bench_train import make_model, plain_step, sync, synthetic_batches  # noqa: E402
 
 from pipeline.draft.model import DraftConfig  # noqa: E402  (torch only)
+from pipeline.packing import pack_by_tokens, packed_forward  # noqa: E402  (torch and transformers only)
 
 SHAPES = {  # hidden, layers, intermediate, heads, kv heads, vocab, conversations, batch tokens
     "tiny": (64, 4, 128, 4, 2, 512, 24, 2048),
@@ -52,18 +54,6 @@ def conversation_lengths(n: int, seed: int = 0, cap: int = 2048) -> list[int]:
     """Chat-like lengths: lognormal around ~600 tokens, 32..cap."""
     rng = np.random.default_rng(seed)
     return [int(x) for x in np.clip(rng.lognormal(6.2, 0.8, n), 32, cap)]
-
-
-def token_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Longest first; each batch's padded size (count x longest) within the budget."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out, cur = [], []
-    for i in order:
-        if cur and lengths[cur[0]] * (len(cur) + 1) > budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    return out + ([cur] if cur else [])
 
 
 def build_target(shape: str, device: torch.device, dtype: torch.dtype):
@@ -79,14 +69,9 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype):
     return model.eval()
 
 
-def padded(batch: list[int], lengths: list[int], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(lengths[i] for i in batch)
-    g = torch.Generator().manual_seed(batch[0])
-    ids = torch.randint(0, vocab, (len(batch), longest), generator=g)
-    mask = torch.zeros(len(batch), longest, dtype=torch.long)
-    for r, i in enumerate(batch):
-        mask[r, : lengths[i]] = 1
-    return ids.to(device), mask.to(device)
+def conversations(lengths: list[int], vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 class PlaneWriters:
@@ -140,19 +125,18 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
     model = build_target(shape, device, dtype)
     *_, n_conv, budget = SHAPES[shape]
     lengths = conversation_lengths(n_conv)
-    batches = token_batches(lengths, budget)
+    batches = pack_by_tokens(lengths, budget)
     layers, norm, n = model.model.layers, model.model.norm, len(model.model.layers)
     # r_2, r_N/2, r_N-3 (the EAGLE-3 defaults) as the inputs of those layers: written out here
     # because pipeline.conventions needs pydantic, which a GPU box may lack.
     aux = [2, n // 2, n - 3]
     points = [f"r_{k}" for k in aux] + ["final_post"]
-    vocab = model.config.vocab_size
+    seqs = conversations(lengths, model.config.vocab_size)
 
     @torch.no_grad()
     def bare() -> None:
         for b in batches:
-            ids, mask = padded(b, lengths, vocab, device)
-            model.model(input_ids=ids, attention_mask=mask)
+            packed_forward(model, model.model, [seqs[i] for i in b], device)
         sync(device)
 
     @torch.no_grad()
@@ -165,12 +149,10 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
         pool = PlaneWriters(writers, out_dir, points, torch.tensor([], dtype=dtype).element_size())
         try:
             for b in batches:
-                ids, mask = padded(b, lengths, vocab, device)
-                model.model(input_ids=ids, attention_mask=mask)
-                valid = mask.bool()
+                packed_forward(model, model.model, [seqs[i] for i in b], device)
                 host = {}
                 for p in points:
-                    x = store[p][valid].contiguous()            # [sum T, H]: the valid tokens only
+                    x = store[p][0]                             # [sum T, H]: the packed row
                     planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
                     buf = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
                     buf.copy_(planes, non_blocking=True)
@@ -196,8 +178,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
             written = capture(Path(d))
             runs["capture"].append(real / (time.perf_counter() - t0))
     med = {k: float(np.median(v)) for k, v in runs.items()}
-    return {"shape": shape, "conversations": n_conv, "real_tokens": real,
-            "padded_tokens": sum(len(b) * max(lengths[i] for i in b) for b in batches), "batches": len(batches),
+    return {"shape": shape, "conversations": n_conv, "real_tokens": real, "batches": len(batches),
             "points": points, "writers": writers, "tokens_per_s": runs, "median_tokens_per_s": med,
             "capture_over_bare": med["capture"] / med["bare_forward"], "goal": 0.90,
             "written_bytes_last_run": written.get("bytes"), "writer_busy_s_last_run": written.get("writer_busy_s")}

@@ -1,0 +1,223 @@
+"""The training job a user runs (DeepSpeed on Ray Train), next to a plain-torch loop on the same batches.
+
+On one dataset extracted from a target of the mid shape (hidden 1024, 8 layers, vocab 32K):
+
+A. job: ``python -m pipeline.cli train --config ...`` -- Ray Train, one worker holding every CPU,
+   decoding its own batches ahead (``data_loading: worker``); and again with ``ray_data`` loading
+   (Ray Data decode tasks; the worker leaves them a quarter CPU). Steady-state throughput is
+   the median of the metrics windows after the first (the first holds start-up: the first
+   batch's decode, DeepSpeed's first step); the whole wall time is reported too.
+B. plain: the same draft, the same target head, the same batches already decoded in memory,
+   plain torch (AdamW, grad clip, the same LR schedule), the same number of torch threads.
+C. deepspeed: the job's own Trainer (DeepSpeed ZeRO-2) on those in-memory batches, in this
+   process -- no Ray, no data loading: what DeepSpeed alone costs.
+
+Runs alternate (B, C, A, A with ray_data) per repeat; min/median/max and the machine's load are saved.
+
+    python tests/benchmarks/bench_train_job.py
+    python tests/benchmarks/bench_train_job.py --shape tiny --conversations 40 --repeats 1   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _results import save_result  # noqa: E402
+from bench_extract_job import build_target, spread  # noqa: E402
+
+
+def dataset(target: Path, work: Path, n: int) -> Path:
+    """The target's hidden states for n conversations, extracted once (in-process) and cached."""
+    out = work / f"ds-train-{n}"
+    if (out / "manifest.json").exists():
+        return out
+    from pipeline.extract.job import run_extract
+    from pipeline.tiny import write_conversations
+    from schemas.extract import ExtractConfig
+
+    write_conversations(work / f"train-conversations-{n}.jsonl", n)
+    run_extract(ExtractConfig.model_validate({
+        "target": {"path": str(target)}, "source": {"uri": str(work / f"train-conversations-{n}.jsonl")},
+        "output": {"uri": str(out)}, "engine": {"dtype": "bfloat16", "device": "cpu"},
+        "fingerprint": {"probe_samples": 0}}), progress=False, use_ray=False)
+    return out
+
+
+def train_config(target: Path, ds: Path, out: Path, cpus: int, steps: int, loading: str = "worker") -> dict:
+    """One worker holding every CPU (with ray_data loading: all but the decode task's quarter)."""
+    return {
+        "dataset": str(ds), "target": {"path": str(target)}, "output": str(out), "draft_vocab_size": 2048,
+        "batch_tokens": 2048, "epochs": 100, "max_steps": steps, "metrics_every": 4, "checkpoint_every": 10**6,
+        "eval_fraction": 0.0, "num_workers": 1, "data_loading": loading,
+        "cpus_per_worker": cpus - 0.25 if loading == "ray_data" else cpus, "resume": "none",
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "heldout_acceptance": {"prompts": 0},
+        "export": {"engines": []},
+    }
+
+
+def run_job(cfg: dict, work: Path) -> dict:
+    import yaml
+
+    path = work / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", str(path)],
+                         cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if run.returncode:
+        raise SystemExit(f"training job failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    windows = [json.loads(x) for x in (Path(cfg["output"]) / "metrics.jsonl").read_text().splitlines()]
+    steady = windows[1:] or windows
+    return {"wall_s": wall, "steps": windows[-1]["step"],
+            "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
+            "first_window_tokens_per_s": windows[0]["tokens_per_s"],
+            "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
+            "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
+            "compute_fraction": statistics.median(w["compute_fraction"] for w in steady)}
+
+
+class InProcess:
+    """The plain loop and DeepSpeed alone, on batches decoded once into memory."""
+
+    def __init__(self, cfg: dict, threads: int):
+        import torch
+
+        from pipeline.train.data import BatchStream, SampleRef
+        from pipeline.train.job import prepare, single_process_env
+        from pipeline.train.loop import epoch_plans
+        from schemas.train import TrainConfig
+
+        torch.set_num_threads(threads)
+        single_process_env()
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.cfg = TrainConfig.model_validate(cfg)
+        self.plan = prepare(self.cfg)
+        plans, _, self.total = epoch_plans(self.plan, self.cfg, 1)
+        refs = [SampleRef(**r) for r in self.plan.train_refs]
+        from schemas.capture import CapturePoint
+
+        aux, final = [CapturePoint.parse(p) for p in self.plan.aux], CapturePoint.parse(self.plan.final)
+        self.batches = []
+        for epoch_plan in plans:
+            for _, b in BatchStream(self.cfg.dataset, None, refs, epoch_plan, 0, 0, aux, final, use_ray=False):
+                self.batches.append(b)
+                if len(self.batches) == self.total:
+                    break
+            if len(self.batches) == self.total:
+                break
+        self.tokens = sum(b.tokens for b in self.batches)
+
+    def plain(self) -> float:
+        """Plain torch: same model, head, schedule and batches; tokens/s after one warm-up step."""
+        import torch
+
+        from pipeline.draft.target_head import TargetHead
+        from pipeline.train.trainer import build_model, lr_lambda
+
+        cfg, o = self.cfg, self.cfg.optim
+        model = build_model(self.plan, cfg, torch.device("cpu"))
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, o.warmup_steps, self.total, o.min_lr_ratio))
+        target_head = TargetHead(cfg.target.path, needs_norm=self.plan.final_needs_norm)
+        draft_ids = torch.nonzero(model.t2d).squeeze(-1)
+
+        def step(b) -> None:
+            target = target_head.targets(b.final, b.loss_mask, draft_ids, soft_target=cfg.soft_target)
+            out = model(b.aux.to(torch.float32), b.input_ids, target, steps=cfg.ttt_steps, decay=cfg.loss_decay)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            opt.step()
+            sched.step()
+
+        return self._timed(step)
+
+    def deepspeed(self) -> float:
+        from pipeline.train.trainer import Trainer
+
+        trainer = Trainer(self.plan, self.cfg, self.total)
+        return self._timed(trainer.step)
+
+    def _timed(self, step) -> float:
+        step(self.batches[0])  # warm-up (the job's first window holds its own)
+        t0 = time.perf_counter()
+        for b in self.batches[1:]:
+            step(b)
+        return (self.tokens - self.batches[0].tokens) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["tiny", "mid"], default="mid")
+    ap.add_argument("--conversations", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", default=None, help="directory for the target and dataset (cached) and outputs")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    work = Path(a.work or Path(tempfile.gettempdir()) / "strata-bench-train-job")
+    work.mkdir(parents=True, exist_ok=True)
+    cpus = os.cpu_count() or 2
+    target = build_target(a.shape, work)
+    ds = dataset(target, work, a.conversations)
+    threads = max(1, round(cpus - 0.25))  # what the job's worker computes with
+
+    def cfg(tag: str, loading: str = "worker") -> dict:
+        out = Path(tempfile.mkdtemp(prefix=f"run-{tag}-", dir=work))
+        return train_config(target, ds, out, cpus, a.steps, loading)
+
+    local = InProcess(cfg("local"), threads)
+    load_before = os.getloadavg()
+    plain, ds_alone, jobs, ray_data_jobs = [], [], [], []
+    for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
+        plain.append(local.plain())
+        ds_alone.append(local.deepspeed())
+        jobs.append(run_job(cfg(f"r{r}"), work))
+        ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
+        print(f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}, job {jobs[-1]['tokens_per_s']:.0f}, "
+              f"job with ray_data loading {ray_data_jobs[-1]['tokens_per_s']:.0f}", flush=True)
+    med = statistics.median
+    result = {
+        "benchmark": "train_job", "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
+        "conversations": a.conversations, "steps": a.steps, "tokens_per_step": local.tokens / len(local.batches),
+        "torch_threads": threads, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "plain_tokens_per_s": spread(plain), "deepspeed_tokens_per_s": spread(ds_alone),
+        "job_tokens_per_s": spread([j["tokens_per_s"] for j in jobs]),
+        "job_wall_s": spread([j["wall_s"] for j in jobs]),
+        "job_ray_data_loading_tokens_per_s": spread([j["tokens_per_s"] for j in ray_data_jobs]),
+        "job_ray_data_loading_wall_s": spread([j["wall_s"] for j in ray_data_jobs]),
+        "job_windows": jobs, "job_ray_data_loading_windows": ray_data_jobs,
+        "ratios": {
+            "job_over_plain": med(j["tokens_per_s"] for j in jobs) / med(plain),
+            "job_ray_data_loading_over_plain": med(j["tokens_per_s"] for j in ray_data_jobs) / med(plain),
+            "deepspeed_over_plain": med(ds_alone) / med(plain),
+            "job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
+            # what a user pays for the whole run against the plain loop's compute for the same steps
+            "plain_compute_over_job_wall": (a.steps * local.tokens / len(local.batches) / med(plain))
+            / med(j["wall_s"] for j in jobs),
+        },
+        "note": "job: python -m pipeline.cli train (Ray Train, 1 worker), steady state = median of "
+                "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "
+                "same torch threads; the job's wall includes imports, Ray start, vocab, verification, export off.",
+    }
+    save_result(result, f"train_job_{a.shape}_cpu.json", a.out)
+
+
+if __name__ == "__main__":
+    main()
