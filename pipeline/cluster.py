@@ -112,30 +112,49 @@ class Stalled(RuntimeError):
 
 def stall_guard(items: Iterator[T], timeout_s: float | None, what: str, fix: str) -> Iterator[T]:
     """``items`` as they arrive (pulled on a helper thread); raises :class:`Stalled` naming
-    ``what`` and ``fix`` when none arrives for ``timeout_s`` seconds (None or 0: wait forever)."""
+    ``what`` and ``fix`` when none arrives for ``timeout_s`` seconds (None or 0: wait forever).
+    However the consumer stops (stall, error, ``break``), ``items`` is closed once its current
+    item arrives, so a Ray Data iterator shuts its executor down as it would unguarded."""
     if not timeout_s:
         yield from items
         return
     q: queue.Queue = queue.Queue(maxsize=1)
-    end = object()
+    end, stop = object(), threading.Event()
+
+    def put(x) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.5)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def pump() -> None:
         try:
             for item in items:
-                q.put(item)
+                if not put(item):
+                    return
+            put(end)
         except BaseException as e:  # re-raised on the consumer's thread
-            q.put(e)
-        q.put(end)
+            put(e)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
 
     threading.Thread(target=pump, name="stall-guard", daemon=True).start()
-    while True:
-        try:
-            item = q.get(timeout=timeout_s)
-        except queue.Empty:
-            raise Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
-                          f"(`ray status` lists pending demands) or the work is stuck; {fix}") from None
-        if item is end:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    try:
+        while True:
+            try:
+                item = q.get(timeout=timeout_s)
+            except queue.Empty:
+                raise Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
+                              f"(`ray status` lists pending demands) or the work is stuck; {fix}") from None
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()

@@ -372,6 +372,7 @@ def test_a_job_that_stops_progressing_fails_instead_of_waiting_forever(tiny_targ
 def test_the_stall_guard_passes_items_and_errors_through_and_names_a_stall():
     """The helper both jobs use around Ray Data iterators (extraction's units, training's
     ray_data batches): items and the source's own error pass through; silence is an error."""
+    import threading
     import time
 
     from pipeline.cluster import Stalled, stall_guard
@@ -398,3 +399,19 @@ def test_the_stall_guard_passes_items_and_errors_through_and_names_a_stall():
         for item in stall_guard(silent(), 0.3, "decoding", "raise the limit"):
             got.append(item)
     assert got == [1]
+
+    # A consumer that stops early closes the source (a Ray Data iterator then shuts its executor
+    # down), rather than leaving it parked on the helper thread.
+    closed = threading.Event()
+
+    def endless():
+        try:
+            while True:
+                yield 0
+        finally:
+            closed.set()
+
+    guarded = stall_guard(endless(), 5.0, "x", "fix")
+    assert next(guarded) == 0
+    guarded.close()
+    assert closed.wait(5)

@@ -262,9 +262,8 @@ def _cleanup_tmp(fs, root: str) -> None:
 
 
 def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
-    import ray
+    import ray  # run_extract started or joined it
 
-    init_ray(cfg.ray.address, dashboard=False)
     cfg_json = cfg.model_dump_json()
 
     def tokenize(item: dict) -> dict:

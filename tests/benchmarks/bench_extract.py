@@ -41,6 +41,8 @@ from schemas.provenance import EngineRef, TensorProvenance  # noqa: E402
 SHAPES = {
     "tiny": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=672, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=2048),
+    "mid": dict(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                num_key_value_heads=8, vocab_size=32000),
     "llama-8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256),
 }
@@ -122,25 +124,31 @@ def bench_writer(hidden: int = 4096, samples: int = 8, seq: int = 1024, repeats:
 
 
 def build_target(shape: str, root: Path) -> Path:
-    """Random-weight target of a named shape, saved locally (nothing downloaded)."""
+    """Random-weight target of a named shape, saved locally (nothing downloaded); a target
+    already built under ``root`` is reused."""
+    out = root / shape
+    if (out / "config.json").exists():
+        return out
     if shape == "tiny":
         from pipeline.tiny import make_tiny_target
 
-        return make_tiny_target(root / "tiny", num_layers=6, hidden_size=256)
+        return make_tiny_target(out, num_layers=6, hidden_size=256)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pipeline.tiny import train_tokenizer
 
     tok = train_tokenizer(2048)
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    out = root / shape
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    tmp = root / f".{shape}.tmp"
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
     return out
 
 

@@ -35,13 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _results import save_result  # noqa: E402
-
-SHAPES = {
-    "tiny": dict(num_hidden_layers=6, hidden_size=128, intermediate_size=352, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=2048),
-    "mid": dict(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=32000),
-}
+from bench_extract import SHAPES, build_target  # noqa: E402
 
 BARE_SCRIPT = r'''
 import json, sys, time
@@ -65,31 +59,6 @@ print(json.dumps({"import_and_load_s": t1 - t0, "tokenize_s": t2 - t1, "forward_
 '''
 
 
-def build_target(shape: str, root: Path) -> Path:
-    """Random-weight bf16 Llama of the shape with a tokenizer trained on local text; cached."""
-    out = root / f"target-{shape}"
-    if (out / "config.json").exists():
-        return out
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pipeline.tiny import train_tokenizer
-
-    tok = train_tokenizer(2048)
-    cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    tmp = root / f".target-{shape}.tmp"
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    tmp.rename(out)
-    return out
-
-
 def job_config(target: Path, conversations: Path, out: Path, cpus: int, engine: str = "hf") -> dict:
     """One capture actor holding every CPU but the tokenize task's quarter. vLLM captures the
     residual stream only: its fourth point is the pre-norm final state."""
@@ -102,19 +71,23 @@ def job_config(target: Path, conversations: Path, out: Path, cpus: int, engine: 
     }
 
 
-def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
+def run_cli(command: str, cfg: dict, work: Path, *flags: str) -> float:
+    """``strata <command> --config <cfg> <flags>`` in a fresh process with its own local Ray
+    (what a user pays, imports to exit); its wall seconds."""
     import yaml
 
-    path = work / "extract.yaml"
+    path = work / f"{command}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    cmd = [sys.executable, "-m", "pipeline.cli", "extract", "--config", str(path), "--no-progress"]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd + ([] if ray else ["--no-ray"]), cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=1800)
-    wall = time.perf_counter() - t0
+    run = subprocess.run([sys.executable, "-m", "pipeline.cli", command, "--config", str(path), *flags], cwd=ROOT,
+                         env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=3600)
     if run.returncode:
-        raise SystemExit(f"extraction job failed ({run.returncode}):\n{run.stderr[-4000:]}")
+        raise SystemExit(f"strata {command} failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
+    wall = run_cli("extract", cfg, work, "--no-progress", *(() if ray else ("--no-ray",)))
     from schemas.manifest import DatasetManifest
 
     m = DatasetManifest.model_validate_json((Path(cfg["output"]["uri"]) / "manifest.json").read_text())

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _results import save_result  # noqa: E402
-from bench_extract_job import build_target, spread  # noqa: E402
+from bench_extract import build_target  # noqa: E402
+from bench_extract_job import run_cli, spread  # noqa: E402
 
 
 def dataset(target: Path, work: Path, n: int) -> Path:
@@ -69,16 +69,7 @@ def train_config(target: Path, ds: Path, out: Path, cpus: int, steps: int, loadi
 
 
 def run_job(cfg: dict, work: Path) -> dict:
-    import yaml
-
-    path = work / "train.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", "--config", str(path)],
-                         cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=3600)
-    wall = time.perf_counter() - t0
-    if run.returncode:
-        raise SystemExit(f"training job failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    wall = run_cli("train", cfg, work)
     windows = [json.loads(x) for x in (Path(cfg["output"]) / "metrics.jsonl").read_text().splitlines()]
     steady = windows[1:] or windows
     return {"wall_s": wall, "steps": windows[-1]["step"],
