@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -62,11 +63,22 @@ def init_ray(address: str | None = None, dashboard: bool = True) -> None:
         _loopback_only()
         ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=True,
                  _node_ip_address="127.0.0.1")
-    from ray.data import DataContext
+        atexit.register(_stop_local_ray)  # runs before Ray's own exit hook (registered at import)
 
-    ctx = DataContext.get_current()
-    ctx.enable_progress_bars = False  # Strata prints its own per-unit progress
-    ctx.print_on_execution_start = False
+
+def _stop_local_ray() -> None:
+    """Ray's shutdown stops the GCS before the autoscaler monitor, whose SIGTERM handler then blocks
+    reporting to the stopped GCS until Ray kills it a second later: a second of every CLI run.
+    A local single-node runtime keeps nothing in its monitor, so it is ended first, at once."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        if node is not None and node.head:
+            node.kill_monitor(check_alive=False)
+    except Exception as e:  # a private API: if it changes, shutdown only takes its second again
+        log.debug("could not stop Ray's monitor early: %s", e)
+    ray.shutdown()
 
 
 def require_resources(plan: str, bundles: list[dict[str, float]], fix: str, wait_s: float) -> None:
@@ -110,6 +122,11 @@ class Stalled(RuntimeError):
     word (a node lost mid-run, CPUs taken by another job), so the job stops and says so."""
 
 
+def stalled(what: str, timeout_s: float, fix: str) -> Stalled:
+    return Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
+                   f"(`ray status` lists pending demands) or the work is stuck; {fix}")
+
+
 def stall_guard(items: Iterator[T], timeout_s: float | None, what: str, fix: str) -> Iterator[T]:
     """``items`` as they arrive (pulled on a helper thread); raises :class:`Stalled` naming
     ``what`` and ``fix`` when none arrives for ``timeout_s`` seconds (None or 0: wait forever).
@@ -149,8 +166,7 @@ def stall_guard(items: Iterator[T], timeout_s: float | None, what: str, fix: str
             try:
                 item = q.get(timeout=timeout_s)
             except queue.Empty:
-                raise Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
-                              f"(`ray status` lists pending demands) or the work is stuck; {fix}") from None
+                raise stalled(what, timeout_s, fix) from None
             if item is end:
                 return
             if isinstance(item, BaseException):

@@ -95,7 +95,7 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "max_length": 512,
             # float32: CPUs without AVX512-BF16 run bf16 matmuls several times slower.
             "engine": {"name": "hf", "dtype": "float32", "device": "auto", "batch_tokens": 8192},
-            "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.5},
+            "ray": {"num_actors": 1, "cpus_per_actor": 1},
         }
         cfg_path.write_text("# Strata extraction config (embedded default; edit freely)\n" + _yaml(cfg))
     return cfg_path
@@ -190,7 +190,7 @@ def _chapter_target(root: Path, say) -> Path:
 
 def _chapter_extract(cfg_path: Path, say) -> None:
     t = time.perf_counter()
-    say("\n== 1/5 extract: hidden states with per-tensor provenance -> Parquet (Ray Data, local Ray)")
+    say("\n== 1/5 extract: hidden states with per-tensor provenance -> Parquet (Ray capture actors, local Ray)")
     m = run_extract(load_config(cfg_path, ExtractConfig))
     say(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
         f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} probe samples held out  "

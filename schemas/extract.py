@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -38,7 +39,6 @@ class RayConfig(Strict):
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
-    cpus_per_tokenize_task: float = Field(0.25, gt=0)
     resource_wait_s: float = Field(
         600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
         "provide the actors' CPUs/GPUs before refusing (a local Ray is checked at once)")
@@ -48,6 +48,17 @@ class RayConfig(Strict):
     writer_threads: int | None = Field(
         None, ge=1, description="threads per capture actor that compress and write byte planes while the engine "
         "computes the next batch; None: one per CPU the actor holds beyond the first, at least one")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_keys(cls, data: Any) -> Any:
+        """``cpus_per_tokenize_task`` is gone (the capture actors tokenize their own units): a config
+        that still sets it runs, with a warning, since it never changed the data."""
+        if isinstance(data, dict) and "cpus_per_tokenize_task" in data:
+            warnings.warn("ray.cpus_per_tokenize_task is ignored: capture actors tokenize their own units; "
+                          "remove it from the config", FutureWarning, stacklevel=2)
+            data = {k: v for k, v in data.items() if k != "cpus_per_tokenize_task"}
+        return data
 
     def writer_threads_per_actor(self) -> int:
         return self.writer_threads or max(1, round(self.cpus_per_actor) - 1)

@@ -78,8 +78,9 @@ class TrainConfig(Strict):
         "thread, two ahead (no copies between processes); ray_data: Ray Data tasks (0.25 CPU each) decode "
         "them elsewhere on the cluster, for when the workers' nodes have no CPU to spare")
     stall_timeout_s: float | None = Field(
-        3600, ge=0, description="ray_data loading: a worker stops with an error when no batch arrives for this "
-        "long (Ray waits forever on decode tasks it cannot schedule). 0 or null: no limit")
+        3600, ge=0, description="stop with an error when the workers cannot be placed for this long (another "
+        "job took the CPUs), or, with ray_data loading, when no batch arrives for this long: Ray otherwise waits "
+        "forever on work it cannot schedule. 0 or null: no limit")
     use_gpu: bool = False
     ray_address: str | None = None
     resource_wait_s: float = Field(

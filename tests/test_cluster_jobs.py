@@ -35,7 +35,7 @@ def test_extract_train_validate_promote_through_ray_job_submit(ray_cluster, tiny
         "output": {"uri": str(ds), "rows_per_shard": 16},
         "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"], "max_length": 128,
         "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 4},
-        "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.5}}))
+        "ray": {"num_actors": 1, "cpus_per_actor": 1}}))
     ok(submit(ray_cluster, "jobs/extract.py", "--config", str(tmp_path / "extract.yaml"), "--no-progress"))
     assert DatasetReader(str(ds)).manifest.totals.rows == 40
 

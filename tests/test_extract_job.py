@@ -46,7 +46,7 @@ def write_config(tmp_path, tiny_target, source, out, address=None, rows_per_shar
         "output": {"uri": str(out), "rows_per_shard": rows_per_shard},
         "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
         "max_length": 128, "engine": {"dtype": "float32", "device": "cpu"},
-        "ray": {"num_actors": 1, "cpus_per_actor": 1, "cpus_per_tokenize_task": 0.5, "address": address},
+        "ray": {"num_actors": 1, "cpus_per_actor": 1, "address": address},
     }
     p = tmp_path / "extract.yaml"
     p.write_text(json.dumps(cfg))  # JSON is YAML
@@ -335,8 +335,8 @@ def test_killing_a_capture_actor_mid_run_loses_and_duplicates_nothing(ray_connec
 
 @pytest.mark.ray
 def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected, tiny_target, source, tmp_path):
-    """Capture actors that take every CPU leave none for the tokenize tasks: Ray would queue them
-    forever. Refused in one line, before anything is written."""
+    """A capture actor that needs more CPUs than the cluster has would be queued by Ray forever.
+    Refused in one line, before anything is written."""
     import ray
 
     from pipeline.errors import UnusableInput
@@ -345,11 +345,32 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
     raw = json.loads(write_config(tmp_path, tiny_target, source[0], tmp_path / "ds").read_text())
     # A cluster the job was submitted to may autoscale: the job asks for the actors and waits
     # (2 s here) before refusing.
-    raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"], "resource_wait_s": 2}
+    raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"] + 1, "resource_wait_s": 2}
     with pytest.raises(UnusableInput, match=r"capture actors x cpus_per_actor .* but the Ray cluster has .* after "
                                             r"waiting 2 s for the autoscaler: lower ray"):
         run_extract(validate_config(raw, ExtractConfig), progress=False)
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.ray
+def test_the_job_process_leaves_torch_and_transformers_to_the_capture_actors(ray_connected, tiny_target, source,
+                                                                            tmp_path):
+    """Importing them costs the CLI's process seconds before Ray even starts; everything that
+    computes (tokenizer, engine, fingerprints) runs in the capture actors. A whole extraction in
+    a fresh process, fingerprints included, must end without either module loaded there."""
+    src, nrows = source
+    cfg_path = write_config(tmp_path, tiny_target, src, tmp_path / "ds", ray_connected["address"])
+    script = ("import json, sys\nfrom pipeline.cli import main\n"
+              f"code = main(['extract', '--config', {str(cfg_path)!r}, '--no-progress'])\n"
+              "print(json.dumps({'code': code, 'loaded': sorted(m for m in ('torch', 'transformers') "
+              "if m in sys.modules)}))")
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ray_connected["env"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"code": 0, "loaded": []}, run.stderr[-3000:]
+    m = DatasetReader(str(tmp_path / "ds")).manifest
+    assert m.fingerprints and m.fingerprints["probe_samples"] > 0
+    assert m.totals.rows + m.totals.quarantined == nrows and m.software["torch"] and m.software["transformers"]
 
 
 def test_a_job_that_stops_progressing_fails_instead_of_waiting_forever(tiny_target, source, tmp_path):

@@ -5,7 +5,9 @@ first violation, naming the file and line.
 - ``jobs/`` holds thin entrypoints that hand their arguments to the CLI.
 - The packages of ``pipeline`` import each other without cycles, counting imports inside
   functions; a function-level import is kept only where it defers an optional engine
-  (vLLM, SGLang) or keeps the CLI's startup light (``cli.py``, ``demo.py``).
+  (vLLM, SGLang), a module that loads torch (so a job's driver process stays light), or keeps
+  the CLI's startup light (``cli.py``, ``demo.py``).
+- The extraction job's driver loads neither torch nor transformers: its capture actors do.
 - Integer layer-id arithmetic lives only in ``pipeline/conventions``.
 """
 
@@ -101,14 +103,48 @@ def test_pipeline_packages_import_without_cycles():
     assert find_cycle(edges) is None, f"import cycle between packages: {' -> '.join(find_cycle(edges))}"
 
 
-def test_function_level_imports_only_defer_optional_engines():
+def type_checking_lines(path: Path) -> set[int]:
+    """Lines of imports under ``if TYPE_CHECKING:``, which never run."""
+    return {n.lineno for block in ast.walk(ast.parse(path.read_text()))
+            if isinstance(block, ast.If) and _name(block.test) == "TYPE_CHECKING"
+            for n in ast.walk(block) if isinstance(n, ast.Import | ast.ImportFrom)}
+
+
+def loads_at_import(module: str, heavy: tuple[str, ...], seen: set[str] | None = None) -> list[str]:
+    """The chain of module-level imports through which importing ``module`` loads one of
+    ``heavy`` (e.g. torch); empty when it does not."""
+    seen = set() if seen is None else seen
+    path = REPO / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = REPO / module.replace(".", "/") / "__init__.py"
+    if module in seen or not path.exists():
+        return []
+    seen.add(module)
+    skip = type_checking_lines(path)
+    for m, line, inner in imports(path):
+        if inner or line in skip:
+            continue
+        if m.split(".")[0] in heavy:
+            return [module, m]
+        if m.startswith(("pipeline.", "schemas.")) and (chain := loads_at_import(m, heavy, seen)):
+            return [module, *chain]
+    return []
+
+
+def test_function_level_imports_only_defer_optional_engines_or_torch():
     bad = []
     for p in py_files("pipeline"):
         if rel(p) in LAZY_ENTRYPOINTS:
             continue
         bad += [f"{rel(p)}:{line} imports {m} inside a function" for m, line, inner in imports(p)
-                if inner and m.startswith(("pipeline", "schemas")) and m not in OPTIONAL_ENGINE_MODULES]
+                if inner and m.startswith(("pipeline", "schemas")) and m not in OPTIONAL_ENGINE_MODULES
+                and not loads_at_import(m, ("torch",))]
     assert not bad, "import at module level (or move the shared piece down a layer):\n" + "\n".join(bad)
+
+
+def test_the_extraction_driver_loads_neither_torch_nor_transformers():
+    chain = loads_at_import("pipeline.extract.job", ("torch", "transformers"))
+    assert not chain, "the extraction job's process would import " + " -> ".join(chain)
 
 
 def _name(node: ast.AST) -> str | None:
@@ -147,3 +183,4 @@ def test_the_rules_catch_what_they_forbid():
     assert not layer_arithmetic("x = tokens[i - 1] + step * 2")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+    assert loads_at_import("pipeline.extract.worker", ("torch",))[-1] == "torch"

@@ -67,7 +67,7 @@ def test_extraction_survives_a_node_removed_mid_run(cluster, tiny_target, conver
            "output": {"uri": str(out), "rows_per_shard": 4}, "max_length": 128,
            "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
            "engine": {"dtype": "float32", "device": "cpu"},
-           "ray": {"num_actors": 2, "cpus_per_actor": 0.5, "cpus_per_tokenize_task": 0.25}}
+           "ray": {"num_actors": 2, "cpus_per_actor": 0.5}}
     job = launch("extract", cfg, tmp_path, c.address)
     wait_for(lambda: len(list((out / "_units").glob("unit-*.json"))) >= 1, job)
     committed = {p.name: p.stat().st_mtime_ns for p in (out / "_units").glob("unit-*.json")}

@@ -113,6 +113,7 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, c
     assert sum(1 for _ in DatasetReader(versions.version_uri(lineage, 3)).iter_samples()) == 62
     # The same pass through the CLI: its run record is the one JSON document on stdout.
     (tmp_path / "retrain-bf16.yaml").write_text(bf16.model_dump_json(by_alias=True))
+    capsys.readouterr()  # what the passes above printed in this process
     assert strata(["retrain", "--config", str(tmp_path / "retrain-bf16.yaml"), "--no-progress", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["outcome"] == "noop" and rec["dataset_version"] == 3 and not rec["trained"]

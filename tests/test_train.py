@@ -369,6 +369,34 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
         assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.ray
+def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(ray_connected, tiny_target, dataset,
+                                                                             tmp_path):
+    """The up-front check counts the cluster's CPUs, not who holds them: another job's actor that
+    takes them all leaves Ray Train waiting for its worker group, retrying forever by default.
+    The job gives up after stall_timeout_s and says what to do."""
+    import ray
+
+    from pipeline.cluster import Stalled
+
+    @ray.remote(num_cpus=ray.cluster_resources()["CPU"])
+    class OtherJob:
+        def ready(self) -> bool:
+            return True
+
+    other = OtherJob.remote()
+    ray.get(other.ready.remote(), timeout=120)
+    try:
+        cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
+                                                   cpus_per_worker=1, stall_timeout_s=2))
+        with pytest.raises(Stalled, match=r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished "
+                                          r"in 2 s\. .*another job may hold the CPUs.*stall_timeout_s"):
+            run_train(cfg)
+    finally:
+        ray.kill(other)
+    assert not (tmp_path / "run" / "final_metrics.json").exists()
+
+
 def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
     """Before any step: SGLang 0.5.11 has a fixed three-slot fc, so a two-slot draft exported
     for it could never load; a newer release reads the slot count from the config."""
@@ -415,14 +443,12 @@ def test_zero_partitions_match_deepspeed(stage):
     """The one place Strata reads DeepSpeed internals: fails when a DeepSpeed release renames
     or reshapes the ZeRO optimizer's partitions, before a checkpoint silently misses them."""
     import deepspeed
-    import torch.distributed as dist
 
     from pipeline.train.checkpoint import zero_partitions
-    from pipeline.train.job import single_process_env
+    from pipeline.train.job import init_single_process
 
-    if not dist.is_initialized():
-        single_process_env()
-        deepspeed.init_distributed(dist_backend="gloo")
+    init_single_process()
+    deepspeed.init_distributed(dist_backend="gloo")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     n_params = sum(p.numel() for p in model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={

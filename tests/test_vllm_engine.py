@@ -30,7 +30,7 @@ def extract_cfg(tiny_target, conversations, out, engine, dtype="float32", **kw):
         "output": {"uri": str(out), "rows_per_shard": 8}, "capture": kw.pop("capture", CAPTURE), "max_length": 256,
         "engine": {"name": engine, "dtype": dtype, "device": "cpu", "max_model_len": 512},
         "fingerprint": {"probe_samples": 0}, "ray": {"num_actors": 1, "cpus_per_actor": 1,
-                                                     "cpus_per_tokenize_task": 0.5, **kw.pop("ray", {})}, **kw})
+                                                     **kw.pop("ray", {})}, **kw})
 
 
 def test_vllm_extraction_in_ray_actor_equals_hf_engine(vllm_engine, ray_connected, tiny_target, conversations,

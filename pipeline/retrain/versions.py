@@ -28,7 +28,8 @@ from datetime import UTC, datetime
 
 from pipeline.cluster import init_ray
 from pipeline.data.source import scan_source
-from pipeline.extract.job import build_schema, extraction_json, fingerprint_dataset, run_extract
+from pipeline.extract.job import build_schema, extraction_json, run_extract
+from pipeline.extract.worker import fingerprint_dataset
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.identity import TargetIdentity

@@ -156,7 +156,8 @@ class BatchStream:
 
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = False
+        ctx.enable_progress_bars = False  # the training loop reports progress
+        ctx.print_on_execution_start = False
         ds = ray.data.from_items([{"step": s, "idx": list(i)} for s, i in self.items], override_num_blocks=len(self.items))
         ds = ds.map(decode, num_cpus=self.cpus)
         rows = stall_guard(ds.iter_rows(), self.stall_timeout_s, f"rank {self.rank}'s Ray Data decode tasks",

@@ -17,7 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from pipeline import conventions
-from pipeline.cluster import init_ray, require_resources
+from pipeline.cluster import init_ray, require_resources, stalled
 from pipeline.conventions import releases
 from pipeline.draft.export import WEIGHTS, ExportError, serving_ids
 from pipeline.draft.model import DraftConfig
@@ -187,29 +187,22 @@ def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
     return {"metrics": result, "exports": manifests, "seconds": seconds}
 
 
-def single_process_env() -> None:
-    """What DeepSpeed's init_distributed reads, for a world of one (no launcher)."""
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+def init_single_process() -> None:
+    """A distributed world of one, without a launcher: torch.distributed on an in-memory store (no
+    port to pick, so none another process can take first) and the variables DeepSpeed reads."""
+    import torch.distributed as dist
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "0"}.items():
         os.environ.setdefault(k, v)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _fit_in_process(plan_json: str) -> dict:
     """Single worker, no Ray (benchmarks on a GPU box without Ray)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        single_process_env()
+    init_single_process()
     return train_worker(plan_json, 0, 1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ray_worker(config: dict) -> None:
@@ -222,6 +215,7 @@ def _ray_worker(config: dict) -> None:
 
 
 TIMING_FILE = "timing.json"
+WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray Train 2.x's own setting
 DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.data.BatchStream)
 
 
@@ -236,23 +230,42 @@ def check_resources(cfg: TrainConfig) -> None:
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
 
     init_ray(cfg.ray_address)
     storage = tempfile.mkdtemp(prefix="strata-raytrain-")  # Ray Train's run state; Strata's is in cfg.output
+    # Ray Train waits for the worker group's placement group (60 s by default), then retries
+    # forever (CPUs taken by another job after check_resources passed): wait stall_timeout_s once,
+    # then fail. The variable is read here and passed on to Ray Train's controller.
+    env_before = os.environ.get(WORKER_GROUP_START_TIMEOUT_ENV)
+    if cfg.stall_timeout_s:
+        os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = str(cfg.stall_timeout_s)
     trainer = TorchTrainer(
         _ray_worker,
         train_loop_config={"plan_json": plan_json, "cpus_per_worker": cfg.cpus_per_worker, "use_gpu": cfg.use_gpu},
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(storage_path=storage, name="strata-train", failure_config=FailureConfig(max_failures=0)),
+        run_config=RunConfig(storage_path=storage, name="strata-train",
+                             failure_config=FailureConfig(max_failures=0,
+                                                          controller_failure_limit=0 if cfg.stall_timeout_s else -1)),
     )
     try:
         trainer.fit()
+    except ControllerError as e:
+        if type(e.controller_failure).__name__ != "WorkerGroupStartupTimeoutError":
+            raise
+        raise stalled(f"train: the worker group ({cfg.num_workers} x {cfg.cpus_per_worker:g} CPU"
+                      f"{' + 1 GPU' if cfg.use_gpu else ''}) was not placed", cfg.stall_timeout_s,
+                      "another job may hold the CPUs; free them, lower cpus_per_worker or num_workers, or raise "
+                      "stall_timeout_s") from None
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+        if env_before is None:
+            os.environ.pop(WORKER_GROUP_START_TIMEOUT_ENV, None)
+        else:
+            os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = env_before
     fs, root = resolve(cfg.output, cfg.s3)
     return json.loads(read_bytes(fs, join(root, FINAL_METRICS)))

@@ -87,12 +87,12 @@ class InProcess:
         import torch
 
         from pipeline.train.data import BatchStream, SampleRef
-        from pipeline.train.job import prepare, single_process_env
+        from pipeline.train.job import init_single_process, prepare
         from pipeline.train.loop import epoch_plans
         from schemas.train import TrainConfig
 
         torch.set_num_threads(threads)
-        single_process_env()
+        init_single_process()
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")
