@@ -438,6 +438,20 @@ def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_training_does_not_compile_deepspeeds_cpu_shared_memory_op(tmp_path):
+    """DeepSpeed on CPU compiles a C++ shared-memory all-reduce (25 s on a fresh machine) when its
+    communication starts; training never uses it. In a fresh process, as a worker starts one."""
+    script = ("from pipeline.train.job import init_single_process\n"
+              "from pipeline.train.trainer import import_deepspeed\n"
+              "ds = import_deepspeed()\ninit_single_process()\nds.init_distributed(dist_backend='gloo')\n"
+              "from deepspeed.comm import comm\nprint('shm op:', comm.cdb.shm_comm_op)\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}  # a build would land here
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "shm op: None" in run.stdout and not (tmp_path / "ext").exists(), run.stdout + run.stderr[-2000:]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_partitions_match_deepspeed(stage):
     """The one place Strata reads DeepSpeed internals: fails when a DeepSpeed release renames

@@ -21,7 +21,7 @@ from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.data import BatchStream, SampleRef, plan_epoch
 from pipeline.train.metrics import MetricsLog, MetricsWindow
 from pipeline.train.plan import RunPlan
-from pipeline.train.trainer import Trainer
+from pipeline.train.trainer import Trainer, import_deepspeed
 from schemas.train import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,7 @@ def epoch_plans(plan: RunPlan, cfg: TrainConfig, world: int) -> tuple[list[list]
 
 def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     """Train on this worker's share of the plan. ``report(metrics)`` forwards to Ray Train."""
-    import deepspeed
-
+    deepspeed = import_deepspeed()
     plan = RunPlan(**json.loads(plan_json))
     cfg = TrainConfig.model_validate(plan.cfg)
     if not dist.is_initialized():

@@ -28,6 +28,24 @@ from schemas.train import TrainConfig
 PLAN_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping", "train_batch_size")
 
 
+def import_deepspeed():
+    """DeepSpeed, minus the CPU shared-memory all-reduce it compiles with the C++ compiler
+    whenever it sets up communication on CPU (25 s on a machine's first run, ~1 s to load
+    after): only its inference all-reduce uses that op; training reduces through gloo or NCCL."""
+    import importlib
+
+    import deepspeed
+
+    # The module, not ``deepspeed.comm``'s attribute ``torch`` (which is torch itself); the
+    # function is looked up there when DeepSpeed creates its communication backend.
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = _no_shm_op
+    return deepspeed
+
+
+def _no_shm_op() -> None:
+    return None
+
+
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup, then cosine decay to ``min_ratio`` of the peak rate."""
     if step < warmup:
@@ -84,8 +102,7 @@ class Trainer:
     """Owns the DeepSpeed engine over the draft, the frozen target head and the LR schedule."""
 
     def __init__(self, plan: RunPlan, cfg: TrainConfig, total_steps: int):
-        import deepspeed
-
+        deepspeed = import_deepspeed()
         self.plan, self.cfg = plan, cfg
         use_cuda = cfg.use_gpu and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
