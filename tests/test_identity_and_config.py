@@ -85,6 +85,18 @@ def test_config_errors_name_the_field(tmp_path):
     assert [str(p) for p in cfg.capture] == ["embedding", "layer_output:3", "final:post_norm"]
 
 
+def test_a_retired_key_is_dropped_with_a_warning_a_typo_still_fails(tmp_path):
+    """ray.cpus_per_tokenize_task never changed the data and capture actors now tokenize: an old
+    config keeps running and says to remove it; a misspelt key is still an error."""
+    base = "target: {path: /m}\nsource: {uri: c.jsonl}\noutput: {uri: /o}\n"
+    with pytest.warns(FutureWarning, match="ray.cpus_per_tokenize_task is ignored"):
+        cfg = load_config(write(tmp_path, base + "ray: {cpus_per_actor: 2, cpus_per_tokenize_task: 0.5}\n"),
+                          ExtractConfig)
+    assert cfg.ray.cpus_per_actor == 2 and "cpus_per_tokenize_task" not in cfg.ray.model_dump()
+    with pytest.raises(ConfigError, match=r"ray\.cpus_per_tokenise_task: Extra inputs are not permitted"):
+        load_config(write(tmp_path, base + "ray: {cpus_per_tokenise_task: 0.5}\n"), ExtractConfig)
+
+
 def test_tiny_target_is_deterministic(tiny_target, tmp_path):
     from pipeline.tiny import make_tiny_target
 
