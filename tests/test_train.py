@@ -481,3 +481,51 @@ def test_zero_partitions_match_deepspeed(stage):
         assert all(p.dtype == torch.bfloat16 for p in parts.low_precision)
     else:
         assert parts.low_precision is None
+
+
+def test_the_stall_guard_passes_items_and_errors_through_and_names_a_stall():
+    """The helper around training's Ray Data iterator (``data_loading: ray_data``): items and the
+    source's own error pass through; silence is an error."""
+    import threading
+    import time
+
+    from pipeline.cluster import Stalled, stall_guard
+
+    assert list(stall_guard(iter(range(5)), 5.0, "x", "fix")) == [0, 1, 2, 3, 4]
+
+    def failing():
+        yield 1
+        raise KeyError("boom")
+
+    got = []
+    with pytest.raises(KeyError, match="boom"):
+        for item in stall_guard(failing(), 5.0, "x", "fix"):
+            got.append(item)
+    assert got == [1]
+
+    def silent():
+        yield 1
+        time.sleep(30)
+        yield 2
+
+    got = []
+    with pytest.raises(Stalled, match=r"decoding: nothing finished in 0.3 s\. .* raise the limit"):
+        for item in stall_guard(silent(), 0.3, "decoding", "raise the limit"):
+            got.append(item)
+    assert got == [1]
+
+    # A consumer that stops early closes the source (a Ray Data iterator then shuts its executor
+    # down), rather than leaving it parked on the helper thread.
+    closed = threading.Event()
+
+    def endless():
+        try:
+            while True:
+                yield 0
+        finally:
+            closed.set()
+
+    guarded = stall_guard(endless(), 5.0, "x", "fix")
+    assert next(guarded) == 0
+    guarded.close()
+    assert closed.wait(5)
