@@ -3,10 +3,12 @@ crash, refusals, export, and speculative decoding with the trained draft."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -386,14 +388,24 @@ def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(r
 
     other = OtherJob.remote()
     ray.get(other.ready.remote(), timeout=120)
-    try:
-        cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
-                                                   cpus_per_worker=1, stall_timeout_s=2))
-        with pytest.raises(Stalled, match=r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished "
-                                          r"in 2 s\. .*another job may hold the CPUs.*stall_timeout_s"):
-            run_train(cfg)
-    finally:
-        ray.kill(other)
+    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
+                                               cpus_per_worker=1, stall_timeout_s=2))
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = run_train(cfg)
+        except Exception as e:
+            outcome["error"] = e
+
+    job = threading.Thread(target=run, daemon=True)  # a regression waits forever: fail, do not hang the suite
+    job.start()
+    job.join(300)
+    ray.kill(other)
+    assert not job.is_alive(), "the job still waits for its worker group after 300 s"
+    assert isinstance(outcome.get("error"), Stalled), outcome
+    assert re.search(r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished in 2 s\. .*another "
+                     r"job may hold the CPUs.*stall_timeout_s", str(outcome["error"])), outcome["error"]
     assert not (tmp_path / "run" / "final_metrics.json").exists()
 
 
@@ -486,9 +498,6 @@ def test_zero_partitions_match_deepspeed(stage):
 def test_the_stall_guard_passes_items_and_errors_through_and_names_a_stall():
     """The helper around training's Ray Data iterator (``data_loading: ray_data``): items and the
     source's own error pass through; silence is an error."""
-    import threading
-    import time
-
     from pipeline.cluster import Stalled, stall_guard
 
     assert list(stall_guard(iter(range(5)), 5.0, "x", "fix")) == [0, 1, 2, 3, 4]

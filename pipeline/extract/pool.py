@@ -69,14 +69,14 @@ class RayCapturePool:
 
         todo = list(reversed(payload))
         owner: dict = {}  # in-flight ref -> actor index
-        load = [0] * len(self.actors)
 
         def fill() -> None:
             for i, actor in enumerate(self.actors):
-                while todo and load[i] < IN_FLIGHT:
+                for _ in range(IN_FLIGHT - sum(1 for a in owner.values() if a == i)):
+                    if not todo:
+                        return
                     item = todo.pop()
                     owner[actor.process.remote(item["unit"], item["start"], item["rows"])] = i
-                    load[i] += 1
 
         timeout = self.cfg.ray.stall_timeout_s or None
         bar = tqdm(total=len(payload), desc="extract", unit="shard", disable=not progress)
@@ -89,12 +89,13 @@ class RayCapturePool:
                               "re-run to resume (committed units are kept), after freeing or adding resources or "
                               "raising ray.stall_timeout_s")
             ref = ready[0]
-            load[owner.pop(ref)] -= 1
+            del owner[ref]
             try:
                 rec = ShardRecord.model_validate_json(ray.get(ref))
             except ray.exceptions.RayActorError as e:
-                raise RuntimeError(f"a capture actor died {ACTOR_RESTARTS + 1} times ({str(e).splitlines()[0]}); "
-                                   "committed units are kept: re-run the job to resume") from e
+                raise RuntimeError(f"a capture actor is gone ({str(e).splitlines()[0]}; a process that dies is "
+                                   f"restarted {ACTOR_RESTARTS} times); committed units are kept: re-run the job "
+                                   "to resume") from e
             fill()
             tokens += rec.tokens
             bar.update(1)
