@@ -28,6 +28,7 @@ from typing import get_args
 from pipeline.conventions.releases import SGLANG_FAMILIES
 from pipeline.errors import UnusableInput
 from pipeline.registry.store import StoreUnavailable
+from pipeline.tiny import ARCHS
 from schemas.capture import CapturePointError
 from schemas.config import ConfigError, S3Config
 from schemas.provenance import DType
@@ -88,11 +89,12 @@ def cmd_make_tiny_target(args: argparse.Namespace) -> int:
     from pipeline.tiny import make_tiny_target, write_conversations
 
     if args.random:
-        out = make_tiny_target(args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed)
-        print(f"random-init tiny target written to {out}")
+        out = make_tiny_target(args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed,
+                               arch=args.arch)
+        print(f"random-init tiny target ({args.arch}) written to {out}")
     else:
         given = {"num_layers": args.layers, "hidden_size": args.hidden, "steps": args.steps}
-        recipe = PretrainRecipe(seed=args.seed, **{k: v for k, v in given.items() if v is not None})
+        recipe = PretrainRecipe(seed=args.seed, arch=args.arch, **{k: v for k, v in given.items() if v is not None})
         out = trained_tiny_target(args.dir, recipe)
         rec = json.loads((out / RECORD).read_text())
         print(f"trained tiny target written to {out}: held-out perplexity {rec['heldout_perplexity']:.1f} "
@@ -301,7 +303,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.demo import DEMO_ROOT, run_demo
 
-    return run_demo(DEMO_ROOT)
+    return run_demo(DEMO_ROOT, sglang=args.sglang)
 
 
 def verify_dataset(uri: str) -> str | None:
@@ -382,6 +384,8 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--layers", type=int, default=None, help="default: 12 trained, 6 random")
     s.add_argument("--hidden", type=int, default=None, help="default: 128 trained, 256 random")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--arch", choices=ARCHS, default="llama",
+                   help="llama, or deepseek_v3: MLA attention, MoE layers, yarn rope (the incident's family)")
     s.add_argument("--conversations", help="also write a conversations JSONL here")
     s.add_argument("--num-conversations", type=int, default=None)
     s.set_defaults(func=cmd_make_tiny_target)
@@ -393,6 +397,8 @@ def _add_data_commands(sub) -> None:
     s.set_defaults(func=cmd_make_conversations)
 
     s = sub.add_parser("demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration")
+    s.add_argument("--sglang", action="store_true",
+                   help="then the incident on SGLang 0.5.18, served by its own server (~3 min more; needs .venv-sglang)")
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")

@@ -133,16 +133,17 @@ def _quiet(log_path: Path):
             story.close()
 
 
-def run_demo(root: Path = DEMO_ROOT) -> int:
+def run_demo(root: Path = DEMO_ROOT, sglang: bool = False) -> int:
     """extract -> train -> validate -> promote on the embedded default, then the original bug
-    (ids shifted, embedding inserted), blocked, with what it would have cost."""
+    (ids shifted, embedding inserted), blocked, with what it would have cost; with ``sglang``,
+    the incident on SGLang too."""
     root = demo_root(root)
     log_path = root / "demo.log"
     print(f"Strata demo in {root}; Ray, DeepSpeed and vLLM logs go to {log_path}")
     t0 = time.perf_counter()
     with _quiet(log_path) as story:
         try:
-            ok = _story(root, lambda *a: print(*a, file=story))
+            ok = _story(root, lambda *a: print(*a, file=story), sglang)
         except Exception:
             log.exception("demo failed")
             print(f"demo failed: the traceback is at the end of {log_path}", file=story)
@@ -151,9 +152,9 @@ def run_demo(root: Path = DEMO_ROOT) -> int:
     return 0 if ok else 1
 
 
-def _story(root: Path, say) -> bool:
-    """The five chapters; True when the correct draft passed, the incident was blocked and
-    production did not move."""
+def _story(root: Path, say, sglang: bool = False) -> bool:
+    """The five chapters (six with ``sglang``); True when the correct draft passed, the incident
+    was blocked and production did not move (and, on SGLang, the same held)."""
     cfg_path = _chapter_target(root, say)
     _chapter_extract(cfg_path, say)
     art = _chapter_train(root, say)
@@ -173,8 +174,11 @@ def _story(root: Path, say) -> bool:
     say(f"   the gate blocked it before it was served: {bad.decision.upper()}; production "
         f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
         + (f" ({before.artifact_digest[:16]})" if before else ""))
+    ok = good.decision == "pass" and bad.decision == "block" and unmoved
+    if sglang:
+        ok = _chapter_sglang(root, registry, say) and ok
     say(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
-    return good.decision == "pass" and bad.decision == "block" and unmoved
+    return ok
 
 
 def _chapter_target(root: Path, say) -> Path:
@@ -243,8 +247,56 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
     return r
 
 
+def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> bool:
+    """The incident's engine: the same draft served by SGLang, first as exported, then with the
+    vLLM export's ids copied into SGLang's nested key -- one list, two tools, other tensors.
+    ``engine``: an SGLang replay engine already open for the target (kept open)."""
+    from pipeline.engines.sglang_server import find_install
+    from pipeline.validate.replay import open_replay_engine
+
+    t = time.perf_counter()
+    inst = find_install()
+    say("\n== +1 (--sglang) the incident on SGLang, the engine it happened on: served by SGLang's own server, "
+        "the feed measured at the draft's fc")
+    if inst is None:
+        say("   SGLang is not installed: `bash infra/sglang/setup-sglang-cpu.sh .venv-sglang ../shared/vendor`")
+        return False
+    art, vllm_art = root / "run" / "export" / "sglang", root / "run" / "export" / "vllm"
+    cfg = json.loads((art / ARTIFACT_CONFIG).read_text())
+    copied = json.loads((vllm_art / ARTIFACT_CONFIG).read_text())[conventions.AUX_KEY]
+    bad_cfg = {**cfg, "eagle_config": {**cfg["eagle_config"], conventions.AUX_KEY: copied}}
+    (root / "misconfigured-sglang-config.json").write_text(json.dumps(bad_cfg, indent=1))
+    serving = {"engine": "sglang", "replay": "engine", "engine_version": inst.version.split("+")[0],
+               "dtype": "bfloat16", "target": {"path": str(root / "target")}}
+    cfgs = {}
+    for name, extra in (("sglang", {}), ("sglang-misconfigured",
+                                         {"draft_config": str(root / "misconfigured-sglang-config.json")})):
+        path = root / f"validate-{name}.yaml"
+        path.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / name), "cost": False,
+                               "serving": {**serving, **extra}}))
+        cfgs[name] = load_config(path, ValidateConfig).model_copy(update={"registry": str(registry)})
+    owned = engine is None
+    if owned:
+        engine, _ = open_replay_engine(cfgs["sglang"], target_identity(root / "target").num_layers)
+    try:
+        say(f"   SGLang {inst.version}, as exported (ids {cfg['eagle_config'][conventions.AUX_KEY]} in "
+            "eagle_config, SGLang's own labelling):")
+        good = run_validate(cfgs["sglang"], engine)
+        _say_verdict(say, good)
+        say(f"   the vLLM export's ids {copied} copied into SGLang's eagle_config (vLLM counts from the embedding, "
+            "SGLang from the first layer's output):")
+        bad = run_validate(cfgs["sglang-misconfigured"], engine)
+        _say_verdict(say, bad)
+    finally:
+        if owned:
+            engine.close()
+    say(f"   [{time.perf_counter() - t:.0f} s]")
+    return good.decision == "pass" and bad.decision == "block"
+
+
 def _say_verdict(say, r) -> None:
     lines = summary(r)
-    keep = [lines[0]] + [x for x in lines[1:] if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report"))]
+    keep = [lines[0]] + [x for x in lines[1:] if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report",
+                                                                         "note ", "measured feed"))]
     for line in keep:
         say("   " + line)

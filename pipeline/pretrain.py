@@ -54,6 +54,7 @@ class PretrainRecipe:
     heldout_fraction: float = 0.05
     conversation_repeats: int = 6   # the draft is trained on the conversations: weight them up
     threads: int = 2                # fixed: CPU matmul reductions depend on the thread count
+    arch: str = "llama"             # or deepseek_v3 (pipeline.tiny.ARCHS)
 
 
 def cache_root() -> Path:
@@ -167,8 +168,8 @@ def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], ke
 
 
     make_tiny_target(out, recipe.num_layers, recipe.hidden_size, vocab_size=recipe.vocab_size, seed=recipe.seed,
-                     peaked_head=False)
-    from transformers import AutoTokenizer, LlamaForCausalLM
+                     peaked_head=False, arch=recipe.arch)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
     eos = tok.convert_tokens_to_ids("<|end|>")
@@ -192,7 +193,7 @@ def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], ke
     torch.set_num_threads(recipe.threads)
     torch.manual_seed(recipe.seed)
     try:
-        model = LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
         stats = _train(model, train, recipe, rng)
         stats |= _evaluate(model, train, held, recipe)
     finally:

@@ -29,7 +29,7 @@ class ServingConfig(BaseModel):
     tp_size: int = 1
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF replay only")
     replay: Literal["engine", "hf"] = Field(
-        "engine", description="engine: replay and serve through the engine itself (vLLM here, SGLang on GPU); "
+        "engine", description="engine: replay and serve through the engine itself (vLLM; SGLang from its own env); "
         "hf: HF transformers with the engine's reading rules, where the engine cannot run")
     max_model_len: int = Field(2048, gt=0, description="engine context length for replay and serving")
     target: TargetConfig

@@ -21,6 +21,7 @@ import torch
 from pipeline.draft.model import acceptance_length
 from pipeline.dtypes import torch_dtype
 from pipeline.engines.errors import EngineUnavailable
+from pipeline.engines.feed_files import FeedCall
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
@@ -36,20 +37,6 @@ class CapturedBatch:
     # seconds spent: "forward" (the target), "byte_split" (planes to host; on a GPU this
     # includes waiting for the device to finish)
     seconds: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class FeedCall:
-    """One step's input to the draft's fc, as the engine handed it over.
-
-    ``token_ids[j]`` is the token at ``positions[j]`` (``token_offset`` 0), or the token after
-    it (1: SGLang hands the draft the next tokens); ``aux`` is [T, n_slots * H].
-    """
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    aux: torch.Tensor
-    token_offset: int = 0
 
 
 @dataclass

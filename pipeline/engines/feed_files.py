@@ -2,19 +2,34 @@
 
 One safetensors file per step (``token_ids``, ``positions``, ``aux``), published by rename so a
 reader never sees half a file; ``token_offset`` in the metadata says whether a row's token is
-the token at its position (0, vLLM) or the next one (1, SGLang's draft inputs).
+the token at its position (0, vLLM) or the next one (1, SGLang's draft inputs). The writer runs
+inside the engines' processes -- SGLang's live in an environment of their own -- so this module
+needs only torch and safetensors.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pipeline.engines.base import FeedCall
+
+@dataclass
+class FeedCall:
+    """One step's input to the draft's fc, as the engine handed it over.
+
+    ``token_ids[j]`` is the token at ``positions[j]`` (``token_offset`` 0), or the token after
+    it (1: SGLang hands the draft the next tokens); ``aux`` is [T, n_slots * H].
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    aux: torch.Tensor
+    token_offset: int = 0
 
 
 def write_call(out: Path, index: int, token_ids: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor,

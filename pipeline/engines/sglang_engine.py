@@ -1,25 +1,25 @@
-"""SGLang engine (GPU clusters): capture, replay and EAGLE-3 acceptance through SGLang.
+"""SGLang engine: capture, greedy decoding and EAGLE-3 serving through SGLang's own HTTP server.
 
-SGLang cannot be imported on the CPU machines Strata is developed on, so this adapter
-is split in two. The pure parts -- which ids to write for a model family (from
-``conventions``, via the draft export), the engine arguments, and the reading of SGLang's
-responses -- are tested everywhere. The parts that start
-``sglang.Engine`` run only where SGLang is installed (README, "SGLang on a GPU cluster";
-``tests/test_sglang_engine.py::test_gpu_*``).
+Every SGLang server is a separate process group started from SGLang's environment
+(:mod:`pipeline.engines.sglang_server`); nothing here imports SGLang.
 
-Capture: SGLang captures the aux states an EAGLE-3 draft's nested
-``eagle_config.eagle_aux_hidden_state_layer_ids`` names (llama/qwen: o-labels, it
-captures before layer id+1; deepseek_v2: +1 only if the first id is 1; gpt-oss:
-r-labels). Strata serves a stub draft whose config carries exactly the ids for the wanted
-points and asks for ``return_hidden_states`` on the prompt: the prefill's states come back
-as ``[T, n_ids * H]``, slot-major, in the order of the id list.
-Acceptance: ``meta_info["spec_verify_ct"]`` (verify steps) and ``completion_tokens`` per
-request, plus ``spec_accept_length`` where the version reports it.
+Capture: SGLang captures aux states only for an EAGLE-3 draft, at the ids its nested
+``eagle_config.eagle_aux_hidden_state_layer_ids`` names, read by the model file's own rule
+(llama/qwen: o-labels; deepseek_v2: +1 only when the first id is 1; gpt-oss: boundaries when
+the list reaches N). Strata serves a stub draft whose config carries exactly the ids for the
+wanted points (written by ``conventions`` through the draft export) and records, with its
+recorder draft class (``sglang_models``), the aux rows SGLang hands that draft on each prompt's
+prefill: ``[T, n_ids * H]``, slot-major in ascending layer order. It is the same path that
+measures a served draft's feed, so capture and the gate's measurement cannot disagree on what
+SGLang hands over.
+
+Serving: one server per draft configuration, with the recorder; acceptance from SGLang's
+per-request ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``, the histogram of
+accepted drafts per verify step), reconciled with the tokens it emitted.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -30,10 +30,10 @@ from pipeline import conventions
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.engines.base import ServeResult, TargetEngine, acceptance
-from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.engines.feed_files import take_calls
+from pipeline.engines.errors import EngineError
+from pipeline.engines.feed_files import FeedCall, take_calls
 from pipeline.engines.refs import sglang_engine_ref, sglang_release
-from pipeline.engines.sglang_models import FEED_DIR_ENV
+from pipeline.engines.sglang_server import SGLangServer, require_install
 from pipeline.identity import target_config, target_identity
 from pipeline.packing import pack_by_tokens
 from schemas.capture import CapturePoint
@@ -45,89 +45,94 @@ def can_capture(point: CapturePoint, num_layers: int, family: str,
     return conventions.native_id(point, "sglang", num_layers, family, sglang_release(version)) is not None
 
 
-def engine_args(target_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
-                tp_size: int = 1) -> dict:
-    """Keyword arguments for ``sglang.Engine`` serving ``draft_dir`` as an EAGLE-3 draft."""
-    return {
-        "model_path": str(target_dir), "speculative_algorithm": "EAGLE3",
-        "speculative_draft_model_path": str(draft_dir), "speculative_num_steps": k, "speculative_eagle_topk": 1,
-        "speculative_num_draft_tokens": k + 1, "dtype": dtype, "tp_size": tp_size, "skip_tokenizer_init": True,
-        "disable_radix_cache": True, "enable_return_hidden_states": True, "random_seed": 0,
-    }
+def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: int) -> dict:
+    """SGLang's per-request speculative counters, summed and reconciled with the emitted tokens.
 
-
-def parse_hidden_states(meta_info: dict, seq_len: int, n_ids: int, hidden: int) -> torch.Tensor:
-    """The prefill's ``[T, n_ids, H]`` aux states from one response's ``meta_info``."""
-    hs = meta_info.get("hidden_states")
-    if not hs:
-        raise EngineError("SGLang returned no hidden_states: start the engine with enable_return_hidden_states=True "
-                          "and send return_hidden_states=True")
-    first = torch.as_tensor(hs[0], dtype=torch.float32)
-    if first.dim() == 1:
-        first = first[None]
-    if tuple(first.shape) != (seq_len, n_ids * hidden):
-        raise EngineError(f"SGLang returned prefill hidden states of shape {tuple(first.shape)}; expected "
-                          f"{(seq_len, n_ids * hidden)} ({n_ids} aux ids x hidden {hidden}). This SGLang version "
-                          "returns something else: capture with the HF engine instead")
-    return first.view(seq_len, n_ids, hidden)
-
-
-def acceptance_from_meta(meta_infos: list[dict], k: int) -> dict:
-    """Aggregate SGLang's per-request speculative counters."""
-    steps = sum(int(m.get("spec_verify_ct", 0)) for m in meta_infos)
-    tokens = sum(int(m.get("completion_tokens", 0)) for m in meta_infos)
-    if steps == 0:
-        raise EngineError("SGLang reported spec_verify_ct = 0: speculative decoding did not run")
+    Measured on SGLang 0.5.18: the prefill emits one token, then each verify step emits the drafts
+    it accepted plus one target token, so per request ``completion_tokens = 1 + spec_verify_ct +
+    spec_num_correct_drafts`` -- less when the last step's accepted drafts ran past
+    ``max_new_tokens`` or the end of the turn (by at most k). SGLang's own ``spec_accept_length``
+    is completion_tokens / spec_verify_ct, which counts the prefill's token too; the mean
+    acceptance length here is 1 + accepted / steps, as vLLM's counters give it. Counters that do
+    not reconcile are an error, not a number.
+    """
+    steps = accepted = 0
+    hist = [0] * (k + 1)
+    for i, (m, out) in enumerate(zip(meta_infos, outputs, strict=True)):
+        v, a, c = int(m.get("spec_verify_ct", 0)), int(m.get("spec_num_correct_drafts", 0)), int(m["completion_tokens"])
+        if v == 0:
+            raise EngineError(f"SGLang reported spec_verify_ct = 0 for request {i}: speculative decoding did not run")
+        if c != len(out) or not 0 <= 1 + v + a - c <= k:
+            raise EngineError(f"SGLang's counters for request {i} do not reconcile: {len(out)} tokens emitted, "
+                              f"completion_tokens {c}, 1 + spec_verify_ct {v} + spec_num_correct_drafts {a}")
+        h = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram")
+        if h is not None:
+            if sum(h) != v or sum(j * x for j, x in enumerate(h)) != a or len(h) > k + 1:
+                raise EngineError(f"SGLang's histogram of accepted drafts for request {i} ({h}) does not add up to "
+                                  f"{v} verify steps and {a} accepted drafts")
+            for j, x in enumerate(h):
+                hist[j] += x
+        steps, accepted = steps + v, accepted + a
+    # accepted at position j (0-based): the steps that accepted more than j drafts
+    per_pos = [sum(hist[j + 1:]) for j in range(k)] if sum(hist) == steps else None
     reported = [float(m["spec_accept_length"]) for m in meta_infos if "spec_accept_length" in m]
-    # each verify step emits the accepted drafts plus one target token
-    return acceptance("sglang meta_info (spec_verify_ct, spec_accept_length)", k, steps, None,
-                      accepted=tokens - steps,
-                      spec_accept_length_reported=sum(reported) / len(reported) if reported else None)
+    return acceptance("sglang meta_info (spec_verify_ct, spec_num_correct_drafts, histogram)", k, steps, per_pos,
+                      accepted=accepted, emitted_tokens=sum(map(len, outputs)),
+                      sglang_spec_accept_length=sum(reported) / len(reported) if reported else None)
 
 
-def _sglang():
-    try:
-        import sglang
-    except Exception as e:  # ImportError, or CUDA-only dependencies failing at import
-        raise EngineUnavailable(f"SGLang is not usable here ({type(e).__name__}: {e}); it needs a CUDA GPU "
-                                "(pip install 'sglang[all]' on the cluster image)") from None
-    return sglang
-
-
-def _generate(engine, prompts: list[list[int]], max_new_tokens: int, **extra) -> list[dict]:
-    outs = engine.generate(input_ids=[list(p) for p in prompts],
-                           sampling_params={"temperature": 0.0, "max_new_tokens": max_new_tokens}, **extra)
-    return outs if isinstance(outs, list) else [outs]
-
-
-def _out_ids(o: dict) -> list[int]:
-    return list(o.get("output_ids") or o.get("token_ids") or [])
+def _sorted_rows(calls: list[FeedCall], length: int, width: int) -> torch.Tensor:
+    """The prefill's aux rows for positions 0..length-1, from the recorder's calls."""
+    rows: dict[int, torch.Tensor] = {}
+    for c in calls:
+        for j, p in enumerate(c.positions.tolist()):
+            if p < length and p not in rows:
+                rows[p] = c.aux[j]
+    if len(rows) != length or any(r.numel() != width for r in rows.values()):
+        raise EngineError(f"SGLang handed the capture draft {len(rows)} prefill rows of the {length} submitted "
+                          f"(width {next(iter(rows.values())).numel() if rows else 0}, expected {width})")
+    return torch.stack([rows[p] for p in range(length)])
 
 
 class SGLangEngine(TargetEngine):
-    """Capture through SGLang with a stub draft carrying the capture ids; serve drafts through
-    a second SGLang engine whose draft model records its fc input (``sglang_models``)."""
+    """The target in SGLang servers: one with a capture draft for the configured points (started
+    here), one target-only for greedy references (started on first use), and one per served
+    draft configuration (started and stopped by ``serve_draft``)."""
 
     name = "sglang"
 
     def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
-                 family: str | None = None, batch_tokens: int = 16384):
-        sgl = _sglang()
-        self.version = sgl.__version__
+                 family: str | None = None, batch_tokens: int = 16384, max_model_len: int = 2048):
+        self.version = require_install().version
         self.model_dir = str(model_dir)
-        self.dtype, self.tp_size, self.batch_tokens = dtype, tp_size, batch_tokens
+        self.dtype, self.tp_size, self.batch_tokens, self.max_model_len = dtype, tp_size, batch_tokens, max_model_len
         ident = target_identity(model_dir)
         self.num_layers, self.hidden_size = ident.num_layers, ident.hidden_size
         tcfg = target_config(model_dir)
         self.family = conventions.engine_family("sglang", tcfg, family)
         self.points = [p.validate_for(self.num_layers) for p in points]
-        self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-stub-"))
-        ordered = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
-        stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(ordered), tcfg.get("vocab_size", 32000)))
-        export_draft(stub, self._dir / "draft", "sglang", ordered, ident, family=self.family, dtype=dtype,
-                     release=self.version)
-        self.order = ordered
-        self.engine = sgl.Engine(**engine_args(model_dir, self._dir / "draft", 1, dtype, tp_size))
+        release = sglang_release(self.version)
+        cannot = [str(p) for p in self.points if not can_capture(p, self.num_layers, self.family, release)]
+        if cannot:
+            raise EngineError(f"SGLang {self.version} ({self.family}) cannot capture {', '.join(cannot)}")
+        self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-"))
+        self.order = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
+        stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(self.order), tcfg.get("vocab_size", 32000)))
+        export_draft(stub, self._dir / "capture-draft", "sglang", self.order, ident, family=self.family,
+                     dtype="bfloat16", release=release)
+        self._plain: SGLangServer | None = None
+        self._capture: SGLangServer | None = None
+        try:
+            self._capture = SGLangServer(model_dir, dtype, tp_size, draft_dir=self._dir / "capture-draft", k=1,
+                                         feed_dir=self._dir / "capture-feed", max_model_len=max_model_len).start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def process_groups(self) -> list[int]:
+        """The process groups of the servers this engine keeps running (capture, greedy)."""
+        return [s.proc.pid for s in (self._capture, self._plain) if s is not None and s.proc is not None]
 
     def engine_ref(self, point: CapturePoint) -> EngineRef:
         return sglang_engine_ref(point, self.num_layers, self.family, self.version, self.tp_size)
@@ -135,67 +140,54 @@ class SGLangEngine(TargetEngine):
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
         return pack_by_tokens(lengths, self.batch_tokens)
 
+    def _check_lengths(self, sequences: list[list[int]], new: int) -> None:
+        too_long = [len(s) for s in sequences if len(s) + new > self.max_model_len]
+        if too_long:
+            raise EngineError(f"sequence of {max(too_long)} tokens (+{new} generated) exceeds SGLang's context "
+                              f"length {self.max_model_len}; raise engine.max_model_len")
+
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
-        outs = _generate(self.engine, sequences, 1, return_hidden_states=True)
+        """Per point, one [T, H] tensor per sequence, in input order: the rows SGLang handed the
+        capture draft on each sequence's prefill (one request at a time, so rows cannot mix)."""
+        self._check_lengths(sequences, 1)
         per_point: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
-        for seq, o in zip(sequences, outs, strict=True):
-            states = parse_hidden_states(o["meta_info"], len(seq), len(self.order), self.hidden_size)
+        width = len(self.order) * self.hidden_size
+        take_calls(self._capture.feed_dir)  # nothing left from an earlier request
+        for seq in sequences:
+            self._capture.generate([seq], 1)
+            states = _sorted_rows(take_calls(self._capture.feed_dir), len(seq), width)
+            states = states.view(len(seq), len(self.order), self.hidden_size)
             for slot, p in enumerate(self.order):
-                per_point[str(p)].append(states[:, slot])
+                per_point[str(p)].append(states[:, slot].to(torch.bfloat16))
         return per_point
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return greedy(self.model_dir, prompts, max_new_tokens, self.dtype, self.tp_size)
+        self._check_lengths(prompts, max_new_tokens)
+        if self._plain is None:
+            self._plain = SGLangServer(self.model_dir, self.dtype, self.tp_size, max_model_len=self.max_model_len).start()
+        return [list(o["output_ids"]) for o in self._plain.generate(prompts, max_new_tokens)]
 
     def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
-        """SGLang's EAGLE3 with the draft's config as written; ``feed_points`` is ignored."""
-        return serve_eagle3(self.model_dir, draft_dir, prompts, max_new_tokens, k, self.dtype, self.tp_size,
-                            record_feed=True)
+        """SGLang's EAGLE-3 with the draft's config exactly as written (``feed_points`` is ignored:
+        SGLang reads the config by its own rules), one prompt at a time, with the draft's fc input
+        recorded per prompt."""
+        self._check_lengths(prompts, max_new_tokens)
+        feed_dir = Path(tempfile.mkdtemp(prefix="feed-", dir=self._dir))
+        outs, calls = [], []
+        try:
+            with SGLangServer(self.model_dir, self.dtype, self.tp_size, draft_dir=draft_dir, k=k, feed_dir=feed_dir,
+                              max_model_len=self.max_model_len) as server:
+                for p in prompts:
+                    outs += server.generate([p], max_new_tokens)
+                    calls.append(take_calls(feed_dir))
+        finally:
+            shutil.rmtree(feed_dir, ignore_errors=True)
+        tokens = [list(o["output_ids"]) for o in outs]
+        return ServeResult(tokens, acceptance_from_meta([o["meta_info"] for o in outs], tokens, k), calls)
 
     def close(self) -> None:
-        if getattr(self, "engine", None) is not None:
-            self.engine.shutdown()
-            self.engine = None
+        for server in (getattr(self, "_capture", None), getattr(self, "_plain", None)):
+            if server is not None:
+                server.close()
+        self._capture = self._plain = None
         shutil.rmtree(self._dir, ignore_errors=True)
-
-
-FEED_PACKAGE = "pipeline.engines.sglang_models"
-
-
-def serve_eagle3(target_dir, draft_dir, prompts, max_new_tokens: int, k: int, dtype: str = "bfloat16",
-                 tp_size: int = 1, record_feed: bool = False) -> ServeResult:
-    """One prompt at a time; with ``record_feed`` the draft is SGLang's own class plus a recorder
-    of its fc input (loaded through SGLANG_EXTERNAL_MODEL_PACKAGE in the scheduler processes)."""
-    sgl = _sglang()
-    feed_dir = tempfile.mkdtemp(prefix="strata-sglang-feed-")
-    saved = {k_: os.environ.get(k_) for k_ in (FEED_DIR_ENV, "SGLANG_EXTERNAL_MODEL_PACKAGE")}
-    if record_feed:
-        os.environ.update({FEED_DIR_ENV: feed_dir, "SGLANG_EXTERNAL_MODEL_PACKAGE": FEED_PACKAGE})
-    try:
-        engine = sgl.Engine(**engine_args(target_dir, draft_dir, k, dtype, tp_size))
-        try:
-            outs, calls = [], []
-            for p in prompts:
-                outs += _generate(engine, [p], max_new_tokens)
-                calls.append(take_calls(feed_dir))
-        finally:
-            engine.shutdown()
-    finally:
-        for k_, v in saved.items():
-            if v is None:
-                os.environ.pop(k_, None)
-            else:
-                os.environ[k_] = v
-        shutil.rmtree(feed_dir, ignore_errors=True)
-    return ServeResult([_out_ids(o) for o in outs], acceptance_from_meta([o["meta_info"] for o in outs], k),
-                       calls if record_feed else None)
-
-
-def greedy(target_dir, prompts, max_new_tokens: int, dtype: str = "bfloat16", tp_size: int = 1) -> list[list[int]]:
-    sgl = _sglang()
-    engine = sgl.Engine(model_path=str(target_dir), dtype=dtype, tp_size=tp_size, skip_tokenizer_init=True,
-                        disable_radix_cache=True, random_seed=0)
-    try:
-        return [_out_ids(o) for o in _generate(engine, prompts, max_new_tokens)]
-    finally:
-        engine.shutdown()

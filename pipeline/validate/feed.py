@@ -61,11 +61,14 @@ class SlotFeed:
     errors: dict[str, float]
     rows: int
 
+    @property
+    def closest(self) -> str:
+        return min(self.errors, key=self.errors.get)
+
     def describe(self, label) -> str:
         if self.best is not None:
             return f"{label(self.best)} (rel L2 {self.errors[self.best]:.4f}, {self.rows} tokens)"
-        closest = min(self.errors, key=self.errors.get)
-        return f"no boundary (closest {label(closest)} at rel L2 {self.errors[closest]:.3f}, {self.rows} tokens)"
+        return f"no boundary (closest {label(self.closest)} at rel L2 {self.errors[self.closest]:.3f}, {self.rows} tokens)"
 
 
 def identify(fed: torch.Tensor, refs: dict[str, torch.Tensor], tol: Tolerances) -> SlotFeed:

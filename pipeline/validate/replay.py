@@ -1,7 +1,7 @@
 """Replay the probe samples through the serving target and sketch every boundary.
 
-``replay: engine`` runs them through the serving engine itself (vLLM here, SGLang on GPU
-clusters); ``replay: hf`` through HF transformers, for machines where the engine cannot
+``replay: engine`` runs them through the serving engine itself (vLLM, and SGLang from its own
+environment); ``replay: hf`` through HF transformers, for machines where the engine cannot
 run. Either way every boundary the engine can capture (r_0..r_N, plus final post-norm) is
 sketched, so the gate can say which boundary a slot's training values really match.
 """
@@ -12,7 +12,7 @@ import torch
 
 from pipeline import conventions
 from pipeline.draft.target_head import load_final_norm
-from pipeline.engines import sglang_engine, vllm_engine
+from pipeline.engines import installed_version, sglang_engine, vllm_engine
 from pipeline.engines.base import TargetEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.fingerprint import Fingerprints, projection, sketch
@@ -32,9 +32,10 @@ def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]
                                   max_model_len=s.max_model_len), False
 
     family = conventions.engine_family("sglang", target_config(s.target.path), s.engine_family)
-    version = s.engine_version or conventions.NEWEST
+    version = installed_version("sglang") or conventions.NEWEST  # what the replaying servers can capture
     points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family, version)]
-    return sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family), True
+    return sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family,
+                                      max_model_len=s.max_model_len), True
 
 
 @torch.no_grad()

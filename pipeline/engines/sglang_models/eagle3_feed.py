@@ -5,9 +5,9 @@ unchanged (architecture, ids, everything). The subclass adds one forward pre-hoo
 draft's decoder: when ``forward_batch.spec_info.hidden_states`` is the target's aux
 concatenation (wider than the draft's hidden size, i.e. what ``fc`` is about to read), it
 writes those rows with their positions and input tokens (SGLang feeds the draft the *next*
-token at each position: ``token_offset=1``) to ``$STRATA_SGLANG_FEED_DIR``. Draft steps run
-under a CUDA graph replay no Python and are not seen; the report says how many verify rows
-were recorded.
+token at each position: ``token_offset=1``) to ``$STRATA_SGLANG_FEED_DIR``. On CPU (no CUDA graphs) every prefill and
+verify step is seen; on a GPU, steps replayed from a CUDA graph run no Python and are not, so the
+report says how many verify rows were recorded.
 """
 
 from __future__ import annotations
