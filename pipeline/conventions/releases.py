@@ -28,6 +28,10 @@ default loop indices [2, N//2, N-3]):
 - gpt_oss.py: up to 0.5.16 always ``id + 1`` over loop indices 0..N-1 (embedding raises);
   from 0.5.17 the ids are boundaries 0..N (r_N and the embedding capturable) when
   ``max(ids) == N``, else ``id + 1``.
+- Measured on the real engine (SGLang 0.5.18 on CPU, ``tests/test_sglang_server.py``): llama
+  ``id + 1`` ([1, 3, 5] feeds r_2, r_4, r_6; absent = loop indices [2, N//2, N-3]; id -1 fails to
+  serve), deepseek_v2 ``first_is_one`` ([1, 3, 5] and [2, 4, 6] both feed r_2, r_4, r_6; [0, 2, 4]
+  feeds the embedding first). The measurement agreed with these rules.
 - Not encoded: SGLang <= 0.5.10 with CUDA graphs appears to capture its graphs with the
   default ids before the draft's ids are set (inferred from the code, never run); only a
   measurement of the verify steps can settle it (the validation job measures them).
