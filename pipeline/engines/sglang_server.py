@@ -96,8 +96,7 @@ CPU_DRAFT_FLAGS = ["--speculative-draft-attention-backend", "intel_amx"]
 
 
 def server_args(target_dir: str | Path, port: int, dtype: str, tp_size: int = 1, draft_dir: str | Path | None = None,
-                k: int = 1, return_hidden_states: bool = False, cpu: bool = True,
-                max_model_len: int = 2048) -> list[str]:
+                k: int = 1, cpu: bool = True, max_model_len: int = 2048) -> list[str]:
     """``sglang.launch_server`` arguments: greedy, deterministic, no prefix reuse (a cached prefix
     must not stand in for a capture), token ids in and out."""
     args = ["--model-path", str(target_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
@@ -105,8 +104,6 @@ def server_args(target_dir: str | Path, port: int, dtype: str, tp_size: int = 1,
             "--context-length", str(max_model_len), "--skip-server-warmup", "--log-level", "warning",
             # an idle scheduler otherwise spins on its core: a validation keeps several servers up
             "--sleep-on-idle"]
-    if return_hidden_states:
-        args.append("--enable-return-hidden-states")
     if draft_dir is not None:
         args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
                  "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
@@ -134,8 +131,7 @@ class SGLangServer:
     """
 
     def __init__(self, target_dir: str | Path, dtype: str = "bfloat16", tp_size: int = 1,
-                 draft_dir: str | Path | None = None, k: int = 1, return_hidden_states: bool = False,
-                 feed_dir: str | Path | None = None, max_model_len: int = 2048):
+                 draft_dir: str | Path | None = None, k: int = 1, feed_dir: str | Path | None = None, max_model_len: int = 2048):
         self.install = require_install()
         self.cpu = on_cpu()
         if self.cpu and dtype != "bfloat16":
@@ -143,8 +139,7 @@ class SGLangServer:
                               "set dtype: bfloat16")
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = server_args(target_dir, self.port, dtype, tp_size, draft_dir, k, return_hidden_states, self.cpu,
-                                max_model_len)
+        self.args = server_args(target_dir, self.port, dtype, tp_size, draft_dir, k, self.cpu, max_model_len)
         self.feed_dir = feed_dir
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="strata-sglang-", suffix=".log", delete=False)
@@ -193,14 +188,11 @@ class SGLangServer:
         raise EngineError(f"SGLang's server did not answer within {START_TIMEOUT_S:.0f} s "
                           f"(STRATA_SGLANG_START_TIMEOUT_S; log {self.log_path}):\n{self.log_tail()}")
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, return_hidden_states: bool = False,
-                 timeout_s: float = 600) -> list[dict]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, timeout_s: float = 600) -> list[dict]:
         """Greedy completions of token-id prompts, one response dict per prompt (``output_ids``,
         ``meta_info``)."""
         body = {"input_ids": [list(map(int, p)) for p in prompts],
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
-        if return_hidden_states:
-            body["return_hidden_states"] = True
         req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
