@@ -42,7 +42,9 @@ fi
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q torch==2.13.0
+# packaging: the requirement filter below parses SGLang's metadata with it (a cached kernel
+# means no build tools, and nothing else, pull it in).
+"$VENV/bin/python" -m pip install -q torch==2.13.0 packaging
 
 if ! ls "$CACHE"/sglang_kernel_cpu-*.whl >/dev/null 2>&1; then
   echo "setup-sglang-cpu: building SGLang's CPU kernel ($VARIANT) from $(basename "$TARBALL") (~5 min on 2 cores)"
