@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import get_args
 
-from pipeline.conventions.releases import SGLANG_FAMILIES
 from pipeline.errors import UnusableInput
 from pipeline.registry.store import StoreUnavailable
 from pipeline.tiny import ARCHS
@@ -428,8 +427,8 @@ def _add_job_commands(sub) -> None:
     s.add_argument("--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config")
     s.add_argument("--out", help="destination (default: <run>/export)")
     s.add_argument("--engine-family", "--sglang-family", dest="engine_family", default=None,
-                   choices=["auto", *SGLANG_FAMILIES],
-                   help="force the SGLang capture rule (default: from the target's model_type)")
+                   help="force the SGLang capture rule: an architecture or model file such as deepseek_v2 "
+                        "(default: the target's config.json architectures)")
     s.add_argument("--dtype", choices=list(get_args(DType)), default=None)
     s.set_defaults(func=cmd_export)
 

@@ -24,7 +24,7 @@ class DraftArtifactManifest(BaseModel):
     format_version: int = 1
     content_digest: str                    # sha256 over weights + config.json of this directory
     serving_engine: Literal["sglang", "vllm"]
-    engine_family: str | None = None       # SGLang capture rule family (llama, deepseek_v2, gpt_oss)
+    engine_family: str | None = None       # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
     aux_capture_points: list[CapturePoint]  # slot order (ascending along the forward pass)
     aux_layer_ids: list[int]               # what config.json carries, in this engine's convention
     aux_layer_ids_convention: str

@@ -49,7 +49,7 @@ class Deployment(BaseModel):
 
     engine: Literal["vllm", "sglang", "hf"]
     engine_version: str
-    engine_family: str | None = None       # SGLang capture rule (llama, deepseek_v2, gpt_oss)
+    engine_family: str | None = None       # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
     dtype: DType
     tp_size: int = 1
     vllm_runner: Literal["v1", "v2"] | None = None  # pinned vLLM model runner (None: vLLM's own choice)

@@ -31,7 +31,7 @@ class DeepSpeedConfig(Strict):
 class ExportConfig(Strict):
     engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
     engine_family: str = Field("auto", validation_alias=AliasChoices("engine_family", "sglang_family"),
-                               description="SGLang capture rule; auto = from the target's model_type")
+                               description="SGLang capture rule (architecture or model file); auto = from config.json")
     engine_versions: dict[Literal["sglang", "vllm"], str] = Field(
         default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)")
     dtype: DType = "bfloat16"

@@ -21,7 +21,8 @@ class ServingConfig(BaseModel):
     engine_version: str | None = Field(
         None, description="the engine release that will serve; selects its id-reading rule. None: the installed "
         "release with replay: engine, else the newest release with a known rule")
-    engine_family: str = Field("auto", description="model-file capture rule; auto = from the target's model_type")
+    engine_family: str = Field("auto", description="capture rule: an architecture or model file (deepseek_v2); "
+                               "auto = the target config.json's architectures")
     vllm_runner: Literal["auto", "v1", "v2"] = Field(
         "auto", description="vLLM model runner: V1 and Model Runner V2 read draft configs differently; auto = "
         "whichever vLLM may pick (V2 is its GPU default from 0.28/0.29; CPUs run V1)")

@@ -57,15 +57,15 @@ def test_inspect_and_registry_json(trained_run, tmp_path, capsys):
 
 
 def test_unusable_inputs_exit_2_not_1(trained_run, tiny_target, tmp_path, capsys):
-    """An unknown model type, an id list no reading rule maps, a missing file: input to fix (2),
-    with a JSON error document under --json."""
+    """An architecture no rule covers, an id list no reading rule maps, a missing file: input to fix
+    (2), with a JSON error document under --json."""
     mamba = shutil.copytree(tiny_target, tmp_path / "mamba")
     cfg = json.loads((mamba / "config.json").read_text())
-    (mamba / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba"}))
+    (mamba / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
     art = trained_run / "export" / "vllm"
     assert strata(["validate", "--config", str(validate_config(tmp_path, art, mamba)), "--json"]) == 2
     out = capsys.readouterr()
-    assert json.loads(out.out)["exit_code"] == 2 and "model_type 'mamba'" in out.err
+    assert json.loads(out.out)["exit_code"] == 2 and "no vllm rule is known for architecture MambaForCausalLM" in out.err
 
     unmappable = tmp_path / "ids.json"
     unmappable.write_text(json.dumps({**json.loads((art / "config.json").read_text()),
@@ -80,6 +80,6 @@ def test_unusable_inputs_exit_2_not_1(trained_run, tiny_target, tmp_path, capsys
                                        "output": {"uri": str(tmp_path / "ds")}, "capture": ["layer_output:1"],
                                        "engine": {"name": "vllm"}}))
     assert strata(["extract", "--config", str(extract_cfg)]) == 2
-    assert "no vllm capture rule is known for model_type 'mamba'" in capsys.readouterr().err
+    assert "no vllm rule is known for architecture MambaForCausalLM" in capsys.readouterr().err
     assert strata(["inspect", str(tmp_path / "nowhere"), "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["exit_code"] == 2

@@ -131,17 +131,16 @@ def test_specforge_family_is_output_ids(n):
             cv.aux_ids_for([E], tool, n)
 
 
-def test_model_type_to_sglang_family():
-    def fam(mt):
-        return cv.engine_family("sglang", {"model_type": mt})
+def test_architecture_decides_the_rule():
+    def arch(cfg):
+        return cv.engine_family("sglang", cfg)
 
-    assert fam("llama") == fam("mistral") == "llama"
-    assert fam("qwen3") == "qwen" and fam("qwen3_moe") == "qwen3_moe"
-    assert fam("deepseek_v3") == fam("kimi_k25") == "deepseek_v2"
-    assert fam("gpt_oss") == "gpt_oss"
-    assert cv.engine_family("sglang", {"model_type": "llama"}, "gpt_oss") == "gpt_oss"  # forced
-    with pytest.raises(cv.ConventionError, match="no sglang capture rule is known for model_type 'mamba'"):
-        fam("mamba")
+    assert arch({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}) == "MistralForCausalLM"
+    assert arch({"model_type": "qwen3"}) == "Qwen3ForCausalLM"  # a hand-made config without architectures
+    assert arch({"architectures": ["KimiK25ForConditionalGeneration"]}) == "KimiK25ForConditionalGeneration"
+    assert cv.engine_family("sglang", {"model_type": "llama"}, "gpt_oss") == "GptOssForCausalLM"  # forced (model file)
+    with pytest.raises(cv.ConventionError, match="no sglang rule is known for architecture MambaForCausalLM"):
+        arch({"architectures": ["MambaForCausalLM"]})
 
 
 def test_draft_config_reading_rules():

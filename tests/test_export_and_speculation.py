@@ -73,11 +73,12 @@ def test_export_refuses_what_the_engine_cannot_capture(tmp_path):
     # vLLM can capture the embedding: same points export fine there.
     v = export_draft(m, tmp_path / "v", "vllm", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6))
     assert v.aux_layer_ids == [0, 3, 4]
-    # The artifact says which releases read these ids as the trained points: not 0.11 (ignores
-    # them), every later V1 and V2 release (top-level key).
-    assert v.engine_release == "0.32.0" and "vllm 0.11.0-0.11.2 llama (V1 runner)" not in v.ids_valid_for
-    assert {"vllm 0.12.0-0.21.0 llama (V1 runner)", "vllm 0.22.0-0.32.0 llama (V1 runner)",
-            "vllm 0.17.0-0.32.0 llama (V2 runner)"} == set(v.ids_valid_for)
+    # The artifact says which releases read these ids as the trained points: not 0.11.0 (ignores
+    # them), nor those whose llama loop adds the residual at layer 0 unguarded (before 0.18).
+    assert v.engine_release == "0.33.0" and "vllm 0.11.0 LlamaForCausalLM (V1 runner)" not in v.ids_valid_for
+    assert "vllm 0.11.1-0.17.1 LlamaForCausalLM (V1 runner)" not in v.ids_valid_for
+    assert {"vllm 0.22.0-0.33.0 LlamaForCausalLM (V1 runner)", "vllm 0.33.0 LlamaForCausalLM (V2 runner)"} <= set(
+        v.ids_valid_for)
     assert json.loads((tmp_path / "v" / "config.json").read_text())["num_aux_hidden_states"] == 3
 
 

@@ -37,7 +37,7 @@ def test_a_multimodal_wrapper_is_read_through_its_text_config(tiny_target, tmp_p
     ident = target_identity(wrapped)
     assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (6, 64, text["vocab_size"])
     cfg = target_config(wrapped)
-    assert conventions.engine_family("sglang", cfg) == conventions.engine_family("vllm", cfg) == "deepseek_v2"
+    assert conventions.engine_family("sglang", cfg) == conventions.engine_family("vllm", cfg) == "DeepseekV3ForCausalLM"
     draft = DraftConfig.from_target(cfg, 3, 256)
     assert draft.hidden_size == draft.target_hidden_size == 64
 

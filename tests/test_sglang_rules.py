@@ -92,8 +92,7 @@ def draft(tiny_target):
 ])
 def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, points, nested_ids):
     model, ident = draft
-    conv_family = "qwen" if family == "qwen3" else family
-    export_draft(model, tmp_path / "d", "sglang", points, ident, family=conv_family, dtype="float32")
+    export_draft(model, tmp_path / "d", "sglang", points, ident, family=family, dtype="float32")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["eagle_config"][AUX_KEY] == nested_ids and AUX_KEY not in cfg
     n = ident.num_layers

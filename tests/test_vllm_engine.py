@@ -13,7 +13,7 @@ import torch
 from pipeline.extract.job import run_extract
 from pipeline.fingerprint import rel_l2
 from pipeline.store.reader import DatasetReader
-from pipeline.validate.job import run_validate
+from pipeline.validate.job import ValidationInputError, run_validate
 from schemas.capture import CapturePoint
 from schemas.config import ConfigError, validate_config
 from schemas.extract import ExtractConfig
@@ -176,28 +176,41 @@ def test_no_ids_is_blocked_by_the_rule_without_serving(vllm_engine, trained_run,
 
 def test_planted_wrong_rule_is_reported_and_the_measurement_decides(vllm_engine, trained_run, tiny_target, tmp_path,
                                                                     monkeypatch):
-    """A rule table that wrongly says vLLM 0.32's V1 runner adds one: the correct config still
-    passes (the feed is measured), and the disagreement is reported per slot."""
+    """A rule table that wrongly says the installed vLLM's V1 runner adds one: the correct config
+    still passes (the feed is measured), and the disagreement is reported per slot. With no rule at
+    all for the installed release, the measurement alone gives the verdict, with a note to derive it."""
     import dataclasses
 
     from pipeline.conventions import releases
 
-    planted = tuple(dataclasses.replace(r, id_rule="plus_one") if r.name == "vllm 0.22.0-0.32.0 llama (V1 runner)"
-                    else r for r in releases.RULES)
+    installed = vllm_engine.vllm_version().split("+")[0]
+    rule = releases.rule_for("vllm", installed, "LlamaForCausalLM", "v1")
+    planted = tuple(dataclasses.replace(r, id_rule="plus_one") if r == rule else r for r in releases.RULES)
     monkeypatch.setattr(releases, "RULES", planted)
     r = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3)
     assert r.decision == "pass", r.reasons
     assert [str(s.fed) for s in r.slots] == ["layer_output:1", "layer_output:2", "layer_output:3"]
     assert [str(s.predicted) for s in r.slots] == ["layer_output:2", "layer_output:3", "layer_output:4"]
     assert r.feed["disagreements"][0].startswith(
-        "vllm 0.22.0-0.32.0 llama (V1 runner) feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)")
+        f"{rule.name} feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)")
     assert len(r.feed["disagreements"]) == 3
+
+    monkeypatch.setattr(releases, "RULES", tuple(x for x in releases.RULES if not (
+        x.engine == "vllm" and x.covers(installed))))
+    r = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3)
+    assert r.decision == "pass", r.reasons
+    assert r.engine_reads["rule"] is None and "derive --engine vllm --release" in r.engine_reads["note"]
+    assert [s.fed_by for s in r.slots] == ["measured"] * 3
+    wrong = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3,
+                   config_edit=lambda c: {**c, AUX_KEY: [1, 2, 3]})  # trained: r_2, r_3, r_4
+    assert wrong.decision == "block" and any("no derived rule" in x for x in wrong.reasons), wrong.reasons
+    with pytest.raises(ValidationInputError, match="no reading rule is known for vllm"):  # nothing to measure
+        served(trained_run, tiny_target, tmp_path, serving={"replay": "hf", "engine_version": installed})
 
 
 def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp_path):
     """The serving spec names vLLM 0.31.0; replaying through the installed 0.32 vouches for nothing.
     A release without a known reading rule is refused outright (exit 2)."""
-    from pipeline.validate.job import ValidationInputError
 
     installed = vllm_engine.vllm_version()
     r = served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.31.0"})

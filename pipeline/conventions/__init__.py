@@ -9,7 +9,7 @@ what the LM head reads:
 tool              integer k means                                    default EAGLE-3 aux
 ================  =================================================  ======================
 hf                hidden_states[k] = r_k, k<N; [N] is POST-norm      --
-vllm, sglang      by release, family and runner: ``releases.py``     r[2, N//2, N-3]
+vllm, sglang      by release, architecture, runner: ``releases``     r[2, N//2, N-3]
 specforge/modelopt/trtllm  o_j                                       o[1, N//2-1, N-4]
 eagle (SafeAILab) hard-coded, no ids                                 r[2, N//2, N-3]
 ================  =================================================  ======================
@@ -32,23 +32,16 @@ Tool = Literal["hf", "vllm", "sglang", "specforge", "modelopt", "trtllm", "eagle
 
 __all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "releases"]
 
-def model_type_of(target_config: dict) -> str:
-    """A target's model type; a multimodal wrapper's text model decides when the wrapper is unknown."""
-    mt = target_config.get("model_type", "llama")
-    text = target_config.get("text_config") or {}
-    if mt not in releases.FAMILY_OF_MODEL_TYPE["vllm"] and text.get("model_type"):
-        return text["model_type"]
-    return mt
-
-
 def engine_family(engine: str, target_config: dict, override: str | None = "auto") -> str:
-    """Which model file's capture rule ``engine`` applies to this target (from its config.json),
-    unless the user forced one (``override`` other than auto)."""
-    if override and override != "auto":
-        return override
+    """The architecture whose capture rule ``engine`` applies to this target (from its config.json's
+    ``architectures``), unless the user forced one (``override``: an architecture or model file)."""
     if engine not in ("vllm", "sglang"):
         return "llama"
-    return releases.family_of(engine, model_type_of(target_config))  # type: ignore[arg-type]
+    return releases.architecture(engine, target_config, override)  # type: ignore[arg-type]
+
+
+def is_moe(target_config: dict) -> bool:
+    return releases.is_moe(target_config)
 
 
 def hf_residual_states(hidden_states: Sequence) -> Sequence:
@@ -128,7 +121,7 @@ def native_id_convention(tool: Tool, family: str = "llama") -> str:
     if tool == "hf":
         return "hf_hidden_states_index"
     if tool == "sglang":
-        return f"sglang_{family}_aux_layer_id"
+        return f"sglang_{releases.module_of('sglang', family)}_aux_layer_id"
     return f"{tool}_aux_layer_id"
 
 

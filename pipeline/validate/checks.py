@@ -49,6 +49,13 @@ def serving_release(s: ServingConfig) -> str:
     return releases.newest_release(s.engine)
 
 
+def measurable(s: ServingConfig, release: str) -> bool:
+    """Can this validation serve the draft through the serving release itself (and so measure
+    its feed without any rule)?"""
+    got = installed_version(s.engine) if s.replay == "engine" else None
+    return got is not None and same_release(got, release)
+
+
 def installed_release(s: ServingConfig, release: str) -> tuple[str | None, Result]:
     """With replay: engine, the installed engine must be the serving release."""
     res = Result()
@@ -75,17 +82,22 @@ class Reading:
                 "error": self.error}
 
 
-def rule_readings(s: ServingConfig, release: str, family: str, draft_cfg: dict, n: int) -> list[Reading]:
-    """One reading per runner the deployment may use; UnknownRelease when a rule is missing."""
-    runners = releases.runners_for(release, s.vllm_runner) if s.engine == "vllm" else [None]
+def rule_readings(s: ServingConfig, release: str, family: str, draft_cfg: dict, n: int,
+                  moe: bool = False) -> list[Reading]:
+    """One reading per runner the deployment may use (``moe``: the target routes to experts, which
+    vLLM's runner choice asks); UnknownRelease when a rule is missing."""
+    runners = releases.runners_for(release, s.vllm_runner, family, moe) if s.engine == "vllm" else [None]
     out = []
     for runner in runners:
         rule = releases.rule_for(s.engine, release, family, runner)  # type: ignore[arg-type]
-        ids, key = releases.ids_in_config(rule, draft_cfg)
+        ids, key, points, error = None, "", [], None
         try:
-            points, error = [conventions.boundary_point(k, n) for k in releases.boundaries_read(rule, ids, n)], None
+            ids, key = releases.ids_in_config(rule, draft_cfg)
+            points = [conventions.boundary_point(k, n) for k in releases.boundaries_read(rule, ids, n)]
+        except conventions.UnknownRelease:
+            raise
         except conventions.ConventionError as e:
-            points, error = [], str(e)
+            error = str(e)
         out.append(Reading(rule, ids, key, points, error))
     return out
 
@@ -97,7 +109,7 @@ def reading_rule(readings: list[Reading], trained: list[CapturePoint], engine: s
     res = Result()
     first = readings[0]
     if first.error:
-        res.reasons.append(f"{engine} cannot capture what {cfg_name} asks for: {first.error}")
+        res.reasons.append(f"{engine} cannot serve {cfg_name} as written: {first.error}")
     elif first.ids is None:
         res.reasons.append(f"{first.rule.name} finds no aux layer ids in {cfg_name} and silently uses its default "
                            f"{[label(p, n) for p in first.points]}")

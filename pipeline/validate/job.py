@@ -54,8 +54,11 @@ class ValidationInputError(UnusableInput):
 
 
 def _family(cfg: ValidateConfig, tcfg: dict) -> str:
+    """The architecture whose rule applies; UnknownRelease when the table has none (measured or refused)."""
     try:
         return conventions.engine_family(cfg.serving.engine, tcfg, cfg.serving.engine_family)
+    except conventions.UnknownRelease:
+        raise
     except conventions.ConventionError as e:
         raise ValidationInputError(str(e)) from None
 
@@ -113,7 +116,12 @@ class Case:
     serving_id: TargetIdentity
     family: str
     release: str
-    readings: list[checks.Reading]
+    readings: list[checks.Reading]     # empty: no derived rule, the measurement alone decides
+    no_rule: str | None = None         # why there is no rule (then the engine must run here)
+
+    @property
+    def reading(self) -> checks.Reading | None:
+        return self.readings[0] if self.readings else None
 
     @property
     def n(self) -> int:
@@ -132,13 +140,25 @@ def load_case(cfg: ValidateConfig) -> Case:
     draft_cfg_path = Path(s.draft_config) if s.draft_config else art / "config.json"
     draft_cfg_bytes = draft_cfg_path.read_bytes()
     serving_id = target_identity(s.target.path, s.target.name, s.target.revision)
-    family = _family(cfg, target_config(s.target.path))
+    tcfg = target_config(s.target.path)
     release = checks.serving_release(s)
+    no_rule = None
     try:
-        readings = checks.rule_readings(s, release, family, json.loads(draft_cfg_bytes), serving_id.num_layers)
+        family = (tcfg.get("architectures") or [s.engine_family])[0]  # named by the engine if no rule knows it
+        family = _family(cfg, tcfg)
+        readings = checks.rule_readings(s, release, family, json.loads(draft_cfg_bytes), serving_id.num_layers,
+                                        conventions.is_moe(tcfg))
+    except conventions.UnknownRelease as e:
+        if not checks.measurable(s, release):  # nothing to measure and no rule: refuse, never guess
+            raise ValidationInputError(str(e)) from None
+        readings, no_rule = [], str(e)
+        log.warning("no derived rule for %s %s (%s): the verdict follows the measured feed; python -m "
+                    "pipeline.conventions.derive --engine %s --release %s adds it", s.engine, release, family,
+                    s.engine, release)
     except conventions.ConventionError as e:
         raise ValidationInputError(str(e)) from None
-    return Case(cfg, art, manifest, fp, draft_cfg_path, draft_cfg_bytes, serving_id, family, release, readings)
+    return Case(cfg, art, manifest, fp, draft_cfg_path, draft_cfg_bytes, serving_id, family, release, readings,
+                no_rule)
 
 
 def run_validate(cfg: ValidateConfig, engine: TargetEngine | None = None) -> ValidationReport:
@@ -174,11 +194,18 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
     """Run the checks in order -- identity, reading rule, replay, release, measured feed, slots,
     acceptance -- and collect every reason to block."""
     cfg, s, n, trained, fp, art = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.art
-    draft_cfg_path, release, reading = case.draft_cfg_path, case.release, case.readings[0]
+    draft_cfg_path, release, reading = case.draft_cfg_path, case.release, case.reading
     identity, res = checks.identity(case.manifest.target, case.serving_id)
-    reasons = res.reasons + checks.reading_rule(case.readings, trained, s.engine, draft_cfg_path.name, n).reasons
-    engine_reads = {**reading.as_dict(n), "release": release,
-                    "other_runners": [r.as_dict(n) for r in case.readings[1:]]}
+    if reading is not None:
+        reasons = res.reasons + checks.reading_rule(case.readings, trained, s.engine, draft_cfg_path.name, n).reasons
+        engine_reads = {**reading.as_dict(n), "release": release,
+                        "other_runners": [r.as_dict(n) for r in case.readings[1:]]}
+    else:
+        reasons = res.reasons
+        engine_reads = {"rule": None, "release": release, "no_rule": case.no_rule,
+                        "note": f"no derived rule for {s.engine} {release} ({case.family}): the verdict follows the "
+                                f"measured feed; python -m pipeline.conventions.derive --engine {s.engine} --release "
+                                f"{release} adds it"}
     replayed = replay(engine, fp, n, s.target.path)
     got, res = checks.installed_release(s, release)
     if got is not None:
@@ -190,10 +217,13 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
     reasons += more
     bad = [x for x in slots if not x.ok]
     reasons += [x.message for x in bad]
-    if bad:
+    if bad and reading is not None:
         if reading.ids is not None:
             reasons.append(f"{reading.rule.name} reads ids {reading.ids} from {reading.key} of {draft_cfg_path.name}")
         reasons.append(fix_hint(trained, s.engine, n, case.family, release, reading.rule.runner))
+    elif bad:
+        reasons.append(f"no derived rule for {s.engine} {release} says which ids feed the trained layers: derive it "
+                       f"(python -m pipeline.conventions.derive --engine {s.engine} --release {release}) for the fix")
 
     fed = [x.fed for x in slots]
     accept = measure_acceptance(cfg, case.manifest, art, fp, fed, trained, served,
@@ -222,7 +252,9 @@ def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
     got, wrong = checks.installed_release(s, case.release)
     if wrong.reasons:
         return {"skipped": f"the installed {s.engine} {got} is not the serving release {case.release}"}
-    reading = case.readings[0]
+    reading = case.reading
+    if reading is None:
+        return {"skipped": f"no derived rule for {s.engine} {case.release}: the correct ids are not known"}
     return cost_table(engine, case.art, case.draft_cfg_path, case.trained, case.n, case.family, case.release,
                       reading.rule.runner, acceptance.prompts(cfg, case.fp), cfg.cost_max_new_tokens,
                       cfg.speculative_tokens)
@@ -233,14 +265,18 @@ def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: 
     """Serve the draft as configured and measure what reaches its fc where the engine can run
     it; otherwise the rule's prediction fills the slot table. Returns (served, slots, the
     report's feed section, reasons)."""
-    cfg, s, n, trained, fp, reading = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.readings[0]
+    cfg, s, n, trained, fp, reading = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.reading
+    predicted = reading.points if reading is not None else []
 
     def by_rule(served: ServeResult | None, why: str | None, reasons: list[str]):
-        slots = check_slots(trained, reading.points, fp.sketches, replayed, n, cfg.tolerances, predicted=reading.points)
+        if reading is None:  # no rule and no measurement: nothing vouches for the feed
+            reasons = [*reasons, f"{s.engine} {case.release} has no derived rule and its feed was not measured "
+                                 f"({why}): nothing says what it feeds the draft"]
+        slots = check_slots(trained, predicted, fp.sketches, replayed, n, cfg.tolerances, predicted=predicted)
         return served, slots, ({"not_measured": why} if why else {}), reasons
 
-    servable = (s.replay == "engine" and not wrong_release and not reading.error
-                and len(reading.points) == len(trained))
+    servable = (s.replay == "engine" and not wrong_release and (reading is None or (
+        not reading.error and len(reading.points) == len(trained))))
     if s.replay != "engine":
         return by_rule(None, None, [])
     if not servable:
@@ -256,11 +292,11 @@ def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: 
     if served.feed is None:  # an engine whose draft inputs cannot be observed: its rule decides
         return by_rule(served, "the engine's feed is not observable", [])
     measured, unmatched, feed = _measured_feed(cfg, fp, engine, served, replayed, trained, n)
-    feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n)
+    feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n) if reading else []
     for line in feed["disagreements"]:
         log.warning("%s", line)
     slots = check_slots(trained, measured, fp.sketches, replayed, n, cfg.tolerances, fed_by="measured",
-                        predicted=reading.points, unmatched=unmatched)
+                        predicted=predicted, unmatched=unmatched)
     return served, slots, feed, feed.pop("reasons")
 
 
