@@ -185,3 +185,33 @@ def test_vllm_readers_of_the_newest_release():
     assert rel.readers["v1"].keys[:2] == ("top", "nested")
     assert "nested" not in rel.readers["v2"].keys and rel.readers["v2"].keys[0] == "top"
     assert rel.readers["v2"].shifts["dflash"] == 1
+
+
+def test_submodules_are_followed_through_annotations_factories_and_init_helpers():
+    """``self.language_model: X = factory(...)``, a registry factory naming the architecture, and
+    ``self.model = self._init_model(...)`` all resolve to the class the engine would build."""
+    src = textwrap.dedent('''
+        class Inner:
+            pass
+        class Other:
+            pass
+        class Annotated:
+            def __init__(self, config):
+                self.language_model: Inner = init_vllm_registered_model(config)
+        class Factory:
+            def __init__(self, config):
+                self.language_model = init_vllm_registered_model(config, architectures=["OtherArch"])
+        class Helper:
+            def __init__(self, config):
+                self.model = self._init_model(config)
+            def _init_model(self, config):
+                return Other(config)
+    ''')
+    index = CodeIndex(ReleasedCode.from_files("vllm", "0", {"vllm/model_executor/models/m.py": src}),
+                      "vllm/model_executor/models/")
+    index.factories["init_vllm_registered_model"] = lambda call: "vllm.model_executor.models.m:Other" if any(
+        k.arg == "architectures" for k in call.keywords) else None
+    key = "vllm.model_executor.models.m:{}".format
+    assert index.attribute_class(key("Annotated"), "language_model") == key("Inner")
+    assert index.attribute_class(key("Factory"), "language_model") == key("Other")
+    assert index.attribute_class(key("Helper"), "model") == key("Other")

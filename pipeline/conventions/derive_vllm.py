@@ -274,17 +274,48 @@ def _v2_choice(code: ReleasedCode):
     return choice
 
 
-def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choice) -> Derived:
+def _class_key(index: CodeIndex, module: str, cls: str) -> str | None:
     key = f"{module if '.' in module else 'vllm.model_executor.models.' + module}:{cls}"
+    if key not in index.classes:  # re-exported by a package: follow the import
+        key = index.resolve(key.split(":")[0], ast.Name(cls)) or key
+    return key if key in index.classes else None
+
+
+def _registered(index: CodeIndex, table: dict[str, tuple[str, str]], call: ast.Call) -> str | None:
+    """``init_vllm_registered_model(..., architectures=["DeepseekV2ForCausalLM"])``: the registered
+    class. Without ``architectures`` the checkpoint's text config decides: not derivable."""
+    for k in call.keywords:
+        if k.arg == "architectures":
+            try:
+                names = ast.literal_eval(k.value)
+            except ValueError:
+                return None
+            found = [table[a] for a in names if a in table]
+            return _class_key(index, *found[0]) if found else None
+    return None
+
+
+class _VllmModel(StandInModel):
+    """A vLLM model stand-in. ``get_language_model()`` walks torch submodules in the released code;
+    here it is what it returns for a wrapper: the ``language_model`` its ``__init__`` builds."""
+
+    def __getattr__(self, name: str):
+        if name == "get_language_model" and self._key and self._index.method(self._key, name):
+            return lambda: self.language_model
+        return super().__getattr__(name)
+
+
+def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choice) -> Derived:
+    key = _class_key(index, module, cls)
     v2 = (choice(arch, False), choice(arch, True)) if choice else (False, False)
-    if key not in index.classes:
+    if key is None:
         return Derived(arch, module, False, why=f"{module}.py has no class {cls}")
     if not index.has_base(key, "SupportsEagle3"):
         return Derived(arch, module, False, why=f"{cls} does not implement SupportsEagle3", v2_default_dense=v2[0],
                        v2_default_moe=v2[1])
     made: list[StandInModel] = []
     try:
-        root = StandInModel(index, key, N, made)
+        root = _VllmModel(index, key, N, made)
         root.set_aux_hidden_state_layers(tuple(IDS))
         default_ids = getattr(root, DEFAULT_IDS[0], None) or getattr(root, DEFAULT_IDS[1])
         default = tuple(int(i) for i in default_ids())
@@ -302,7 +333,9 @@ def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choi
 
 def derive(code: ReleasedCode) -> Release:
     index = CodeIndex(code, "vllm/model_executor/models/", "vllm/models/")
+    table = registry(code)
+    index.factories["init_vllm_registered_model"] = lambda call: _registered(index, table, call)
     readers = {r: got for r in ("v1", "v2") if (got := derive_reader(code, r)) is not None}
     choice = _v2_choice(code)
-    archs = [derive_architecture(index, a, m, c, choice) for a, (m, c) in sorted(registry(code).items())]
+    archs = [derive_architecture(index, a, m, c, choice) for a, (m, c) in sorted(table.items())]
     return Release(readers, archs)

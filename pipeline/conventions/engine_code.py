@@ -109,6 +109,9 @@ class CodeIndex:
         self.classes: dict[str, ClassInfo] = {}
         self.module_path: dict[str, str] = {}
         self._compiled: dict[tuple[int, int], typing.Callable] = {}
+        # Engine factories that build a submodule by name (vLLM's init_vllm_registered_model):
+        # function name -> (call -> class key or None).
+        self.factories: dict[str, typing.Callable[[ast.Call], str | None]] = {}
         for path in (p for prefix in prefixes for p in code.names(prefix)):
             try:
                 tree = ast.parse(code.text(path) or "")
@@ -116,7 +119,7 @@ class CodeIndex:
                 continue
             module = path[:-3].replace("/", ".").removesuffix(".__init__")
             self.trees[module], self.module_path[module] = tree, path
-            self.imports[module] = _imports(tree, module)
+            self.imports[module] = _imports(tree, module, path.endswith("__init__.py"))
         for module, tree in self.trees.items():
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
@@ -182,6 +185,15 @@ class CodeIndex:
                             found = self._built_by(key, info, node.value, defaults)
                             if found in self.classes:
                                 return found
+                # ``self.language_model: Gemma4ForCausalLM = init_vllm_registered_model(...)``
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
+                        node.target.attr == attr and getattr(node.target.value, "id", "") == "self":
+                    ann = node.annotation
+                    if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+                        ann = ast.Name(ann.value)
+                    found = self.resolve(info.module, ann)
+                    if found in self.classes:
+                        return found
         return None
 
     def class_attribute(self, key: str, attr: str) -> str | None:
@@ -198,6 +210,8 @@ class CodeIndex:
         """The class a constructor call builds: ``X(...)``, ``cls_param(...)`` (its default), or
         ``self._init_model(...)`` (what that method returns)."""
         func = call.func
+        if isinstance(func, ast.Name) and func.id in self.factories:
+            return self.factories[func.id](call)
         if isinstance(func, ast.Name) and func.id in defaults:
             return self.resolve(info.module, defaults[func.id])
         if isinstance(func, ast.Attribute) and getattr(func.value, "id", "") == "self":
@@ -233,13 +247,14 @@ def _base_name(b: ast.expr) -> str:
     return b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
 
 
-def _imports(tree: ast.Module, module: str) -> dict[str, str]:
+def _imports(tree: ast.Module, module: str, package: bool = False) -> dict[str, str]:
     out = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
             base = node.module
-            if node.level:  # relative import
-                parts = module.split(".")[:-node.level]
+            if node.level:  # relative import: from a package's __init__, "." is the package itself
+                parts = module.split(".")
+                parts = parts[:len(parts) - node.level + (1 if package else 0)]
                 base = ".".join([*parts, node.module])
             for a in node.names:
                 out[a.asname or a.name] = f"{base}:{a.name}"
@@ -329,7 +344,7 @@ class StandInModel:
         elif name in ("end_layer",):
             value = n
         elif key and (child := index.attribute_class(key, name)):
-            value = StandInModel(index, child, n, self._made)
+            value = type(self)(index, child, n, self._made)
         else:
             raise AttributeError(f"{self.class_name} stand-in has no {name!r}")
         self.__dict__[name] = value
