@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import ast
 import builtins
-import textwrap
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from pipeline.conventions.capture_loop import capture_range
-from pipeline.conventions.engine_code import CodeIndex, ReleasedCode, StandInGlobals, StandInModel
+from pipeline.conventions.engine_code import (
+    CodeIndex,
+    ReleasedCode,
+    StandInGlobals,
+    StandInModel,
+    compile_released,
+)
 
 AUX = "eagle_aux_hidden_state_layer_ids"
 N = 12
@@ -96,16 +101,12 @@ def _find_function(code: ReleasedCode, prefix: str, name: str) -> tuple[str, ast
 
 
 def _compile(code: ReleasedCode, path: str, fn: ast.FunctionDef, extra: dict | None = None):
-    """The released function from its source; ``extra`` names its globals (a StandInGlobals given
-    here is shared: functions compiled into it see each other)."""
-    if isinstance(extra, StandInGlobals):
-        ns = extra
-    else:
-        ns = StandInGlobals(N)
+    """``extra`` names the function's globals; a StandInGlobals given here is shared, so functions
+    compiled into it see each other."""
+    ns = extra if isinstance(extra, StandInGlobals) else StandInGlobals(N)
+    if ns is not extra:
         ns.update(extra or {})
-    src = textwrap.dedent(ast.get_source_segment(code.text(path) or "", fn) or "")
-    exec(compile(src, f"<vllm {code.version} {path}>", "exec"), ns)  # released source, on stand-ins
-    return ns[fn.name]
+    return compile_released(code, path, fn, ns)
 
 
 def derive_reader(code: ReleasedCode, runner: str) -> Reader | None:

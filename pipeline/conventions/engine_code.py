@@ -237,10 +237,14 @@ class CodeIndex:
         return cached
 
     def _compile(self, info: ClassInfo, fn: ast.FunctionDef, n: int) -> typing.Callable:
-        src = textwrap.dedent(ast.get_source_segment(self.source(info.module), fn) or "")
-        ns = StandInGlobals(n, self, info.module)
-        exec(compile(src, f"<{self.code.engine} {self.code.version} {info.path}>", "exec"), ns)  # released source
-        return ns[fn.name]
+        return compile_released(self.code, info.path, fn, StandInGlobals(n, self, info.module))
+
+
+def compile_released(code: ReleasedCode, path: str, fn: ast.FunctionDef, ns: dict) -> typing.Callable:
+    """One released function, compiled from its source text into the globals ``ns``."""
+    src = textwrap.dedent(ast.get_source_segment(code.text(path) or "", fn) or "")
+    exec(compile(src, f"<{code.engine} {code.version} {path}>", "exec"), ns)  # the released source
+    return ns[fn.name]
 
 
 def _base_name(b: ast.expr) -> str:

@@ -97,10 +97,6 @@ class ReadingRule:
     runner: Runner | None = None    # vLLM only
     gpu_default: tuple[bool, bool] | None = None  # V2 rows: a GPU picks V2 for a (dense, MoE) target
 
-    @property
-    def family(self) -> str:
-        return self.architecture
-
     def covers(self, version: str) -> bool:
         return release_tuple(self.first) <= release_tuple(version) <= release_tuple(self.last)
 
