@@ -7,6 +7,7 @@ Exit codes (the same for every command and for ``jobs/*.py``):
     2   unusable input: a config, path, name or target that cannot be used as given -- an
         unknown model type, an id list no reading rule maps, a file that does not exist
     3   a verdict against: validation blocked, promotion refused, verification failed
+    4   inconclusive: ``strata probe`` cannot tell which layers a draft was trained on
     75  another scheduler holds the retrain lease; try later (EX_TEMPFAIL)
 
 With ``--json`` stdout carries exactly one JSON document (on failure ``{"error": ...,
@@ -38,6 +39,7 @@ log = logging.getLogger("strata")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_BLOCKED = 3
+EXIT_INCONCLUSIVE = 4
 EXIT_LEASE_HELD = 75  # EX_TEMPFAIL: another scheduler is running; try later
 
 _json_doc: list[str] | None = None  # the document a --json command produced (see json_stdout)
@@ -200,6 +202,70 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
         print("\n".join(summary(r)))
     return 0 if r.decision == "pass" else EXIT_BLOCKED
+
+
+def _probe_config(args: argparse.Namespace):
+    from schemas.config import load_config
+    from schemas.probe import ProbeConfig
+
+    if args.config:
+        cfg = load_config(args.config, ProbeConfig)
+        over = {k: v for k, v in (("draft", args.draft), ("conversations", args.conversations),
+                                  ("prompts", args.prompts), ("trained_on", _points(args.trained_on))) if v is not None}
+        if args.target:
+            over["target"] = {"path": args.target}
+        return ProbeConfig.model_validate({**cfg.model_dump(mode="json", exclude_none=True), **over})
+    if not (args.draft and args.target):
+        raise ConfigError("give --draft and --target (or --config with a serving section)")
+    return ProbeConfig.model_validate({"draft": args.draft, "target": {"path": args.target},
+                                       **({"conversations": args.conversations} if args.conversations else {}),
+                                       **({"prompts": args.prompts} if args.prompts else {}),
+                                       **({"trained_on": _points(args.trained_on)} if args.trained_on else {})})
+
+
+def _points(text: str | None) -> list[str] | None:
+    return [t.strip() for t in text.split(",")] if text else None
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from pipeline.probe.job import run_probe
+    from pipeline.probe.report import summary
+    from pipeline.validate.foreign import compare_with_serving
+
+    cfg = _probe_config(args)
+    probe = run_probe(cfg, progress=not args.json)
+    if cfg.serving is not None:
+        compare_with_serving(probe)
+    r = probe.report
+    if args.json:
+        print_json(r.model_dump_json(indent=1))
+    else:
+        print("\n".join(summary(r)))
+    return {"inferred": 0, "declared": 0, "pass": 0, "block": EXIT_BLOCKED, "inconclusive": EXIT_INCONCLUSIVE}[r.verdict]
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    import tempfile
+    from pathlib import Path
+
+    from pipeline.probe.adopt import adopt
+    from pipeline.probe.job import run_probe
+
+    args.draft = args.draft or args.dir
+    probe = run_probe(_probe_config(args), progress=not args.json)
+    if probe.trained is None:
+        return _fail(f"strata: not imported: {probe.report.summary}", EXIT_INCONCLUSIVE, args.json)
+    reg = _registry(args)
+    with tempfile.TemporaryDirectory(prefix="strata-import-") as tmp:
+        manifest = adopt(probe, Path(tmp) / "draft")
+        digest = reg.add_artifact(Path(tmp) / "draft").content_digest
+    out = {"imported": digest, "registry": reg.store.uri, "trained_points": [str(p) for p in manifest.aux_capture_points],
+           "provenance": manifest.provenance, "probe": probe.report.summary}
+    if args.json:
+        print_json(out)
+    else:
+        print(f"imported {args.draft} as {digest} into {reg.store.uri}: {probe.report.summary}")
+    return 0
 
 
 def _registry(args: argparse.Namespace):
@@ -369,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     _add_data_commands(sub)
     _add_job_commands(sub)
+    _add_probe_commands(sub)
     _add_registry_commands(sub)
     return p
 
@@ -440,6 +507,26 @@ def _add_job_commands(sub) -> None:
     s.add_argument("--no-cost", action="store_true",
                    help="when blocked, skip timing what the configuration would cost (no speculation / as written / fixed)")
     s.set_defaults(func=cmd_validate)
+
+
+def _add_probe_commands(sub) -> None:
+    """Drafts trained elsewhere: which layers they were trained on, and adding them to a registry."""
+    for name, text in (("probe", "infer from its predictions which layers a draft was trained on; exit 0 inferred/pass, "
+                                 "3 the deployment feeds other layers, 4 inconclusive, 2 bad input"),
+                       ("import", "probe a draft trained elsewhere and add it to a registry with inferred provenance")):
+        s = sub.add_parser(name, help=text)
+        if name == "import":
+            s.add_argument("dir", nargs="?", help="the draft directory")
+            s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+        s.add_argument("--draft", help="the draft directory (SGLang/SpecForge, vLLM, speculators or Strata layout)")
+        s.add_argument("--target", help="the target model directory")
+        s.add_argument("--config", help="probe YAML (draft, target, conversations, serving: as for validate)")
+        s.add_argument("--conversations", help="JSONL/Parquet conversations to probe with (default: built-in)")
+        s.add_argument("--prompts", type=int, help="how many conversations (default 32)")
+        s.add_argument("--trained-on", help="the trained points as declared by whoever trained it, comma-separated "
+                       "(embedding,layer_output:3,layer_output:7); the probe's evidence is reported beside them")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(func=cmd_probe if name == "probe" else cmd_import)
 
 
 def _add_registry_commands(sub) -> None:

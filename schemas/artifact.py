@@ -36,7 +36,12 @@ class DraftArtifactManifest(BaseModel):
     draft_config: dict
     training: dict = {}
     metrics: dict = {}
-    fingerprints: dict | None = None       # filled by validation (issue 4)
+    fingerprints: dict | None = None       # sketches of the trained points on held-out samples
+    # "fingerprints": the trained points are the training data's own (extraction provenance);
+    # "inferred": a draft trained elsewhere, its points inferred by ``strata probe`` (evidence in ``probe``)
+    # "declared": stated by whoever trained it (the probe's evidence beside it)
+    provenance: Literal["fingerprints", "inferred", "declared"] = "fingerprints"
+    probe: dict | None = None
 
 
 def content_digest(directory: str | Path) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from schemas.capture import CapturePoint
+from schemas.capture import CapturePoint, parse_points
 from schemas.config import S3Config, TargetConfig
 from schemas.provenance import DType
 
@@ -59,6 +59,45 @@ class Tolerances(BaseModel):
         return v
 
 
+class ProbeOptions(BaseModel):
+    """How ``strata probe`` asks a draft which layers it was trained on (also for validating a draft
+    trained elsewhere, which has no fingerprints)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    conversations: str | None = Field(None, description="JSONL/Parquet conversations to probe with (yours); "
+                                      "default: the built-in stdlib conversations")
+    prompts: int = Field(32, gt=1, description="probe conversations (prompts are resampled for the margin's error)")
+    max_length: int = Field(256, gt=8)
+    steps: int = Field(2, ge=1, le=8, description="TTT steps scored: step 0 reads the aux states directly, later "
+                       "steps carry their effect through the draft's own states")
+    resamples: int = Field(1000, ge=100, description="bootstrap resamples of the prompts")
+    z: float = Field(3.0, gt=0, description="margin over its standard error needed for a conclusion")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    candidates: list[list[CapturePoint]] | None = Field(
+        None, description="score only these aux sets (e.g. the readings you are deciding between); default: every "
+        "reading of the config's ids, every default, shifts, the embedding inserted, then a per-slot search")
+
+    trained_on: list[CapturePoint] | None = Field(
+        None, description="the trained points as declared by whoever trained the draft (its training config, a model "
+        "card): the gate checks the deployment against them, recorded as declared; the probe's evidence is reported "
+        "beside them")
+
+    @field_validator("trained_on", mode="before")
+    @classmethod
+    def _parse_trained(cls, v: Any) -> Any:
+        return None if v is None else parse_points(v)
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _parse(cls, v: Any) -> Any:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise ValueError("candidates: give at least two aux sets to decide between")
+        return [parse_points(c) for c in v]
+
+
 class ValidateConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -74,6 +113,8 @@ class ValidateConfig(BaseModel):
     report_dir: str | None = Field(None, description="where report.md, report.json, heatmap.png go")
     registry: str | None = Field(None, description="record the verdict in this registry (local dir or s3://)")
     s3: S3Config = S3Config()
+    probe: ProbeOptions = Field(default_factory=ProbeOptions, description="for a draft directory without a Strata "
+                                "manifest (trained elsewhere): how its trained layers are inferred")
 
 
 class SlotCheck(BaseModel):
@@ -109,5 +150,6 @@ class ValidationReport(BaseModel):
     acceptance: dict
     tolerances: dict
     calibration: dict                  # measured errors at the matched boundaries
+    provenance: dict = {}              # where the trained points come from (fingerprints, or inferred by the probe)
     cost: dict | None = None           # blocked only: what the configuration would have cost (validate/cost.py)
     report_dir: str | None = None

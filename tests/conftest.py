@@ -134,8 +134,9 @@ def pretrained_target(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
-    """A draft trained (HF-extracted fp32 data, 300 conversations) for the pretrained target,
-    exported for vLLM: the run directory; its dataset is the sibling ``ds``."""
+    """A draft trained (HF-extracted fp32 data, 300 conversations) for the pretrained target on the
+    EAGLE-3 default (r_2, r_6, r_9), exported for vLLM: the run directory; its dataset is the
+    sibling ``ds``, which also holds the layers the probe's drafts train on (test_probe.py)."""
     from pipeline.extract.job import run_extract
     from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
@@ -146,13 +147,13 @@ def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
     write_conversations(root / "conv.jsonl", n=300)
     run_extract(ExtractConfig.model_validate({
         "target": {"path": str(pretrained_target)}, "source": {"uri": str(root / "conv.jsonl")},
-        "output": {"uri": str(root / "ds")}, "capture": ["layer_output:1", "layer_output:5", "layer_output:8",
-                                                          "final:post_norm"], "max_length": 256,
+        "output": {"uri": str(root / "ds")}, "capture": [
+            "embedding", *(f"layer_output:{j}" for j in (1, 2, 3, 5, 6, 7, 8, 10)), "final:post_norm"], "max_length": 256,
         "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 8}}),
         progress=False, use_ray=False)
     run_train(TrainConfig.model_validate({
         "dataset": str(root / "ds"), "target": {"path": str(pretrained_target)}, "output": str(root / "run"),
-        "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 8, "num_workers": 1,
+        "aux": ["layer_output:1", "layer_output:5", "layer_output:8"], "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 8, "num_workers": 1,
         "eval_fraction": 0.05, "optim": {"lr": 1e-2, "warmup_steps": 10},
         "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]},
         "heldout_acceptance": {"prompts": 8, "max_new_tokens": 32}}), use_ray=False)

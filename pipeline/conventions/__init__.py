@@ -228,3 +228,54 @@ def releases_reading(config: dict, points: Sequence[CapturePoint], engine: str, 
     """Every known release (range) of ``engine`` that feeds exactly ``points`` for this config."""
     rs = [_r(p, num_layers, engine) for p in points]
     return [r.name for r in releases.rules_reading_as(engine, family, config, rs, num_layers)]  # type: ignore[arg-type]
+
+
+# -- every reading of a config (what a draft found elsewhere may have been trained on) ---------
+def readings_of_config(config: dict, num_layers: int, archs: dict[str, str]) -> dict[tuple[CapturePoint, ...], list[str]]:
+    """Every list of points some tool reads a draft config's ids as -- each engine release's rule for
+    the target's architecture (``archs``: engine -> architecture), the training tools' and HF's
+    labellings -- and every tool's default: points -> who reads them so. Readings a tool refuses
+    are left out."""
+    n, out = num_layers, {}
+
+    def add(points, who: str) -> None:
+        out.setdefault(tuple(points), []).append(who)
+
+    nested = (config.get("eagle_config") or {}).get(AUX_KEY) if isinstance(config.get("eagle_config"), dict) else None
+    ids = nested if nested is not None else config.get(AUX_KEY)
+    for engine, arch in archs.items():
+        try:
+            arch = releases._resolve(engine, arch)  # type: ignore[arg-type]
+        except ConventionError:
+            continue
+        for rule in releases.RULES:
+            if rule.engine != engine or rule.architecture != arch:
+                continue
+            try:
+                read = releases.boundaries_read(rule, releases.ids_in_config(rule, config)[0], n)
+            except ConventionError:
+                continue
+            add([boundary_point(k, n) for k in read], rule.name)
+    for tool, label in (("specforge", "SpecForge/ModelOpt/TRT-LLM layer-output ids"), ("hf", "HF hidden_states indices")):
+        if ids:
+            try:
+                add(points_read_from(ids, tool, n), f"{label} {list(ids)}")  # type: ignore[arg-type]
+            except (ConventionError, ValueError):
+                pass
+    for tool in ("vllm", "sglang", "specforge"):
+        add(default_aux_points(tool, n), f"{tool}'s default")  # type: ignore[arg-type]
+    return out
+
+
+def shifted(points: Sequence[CapturePoint], delta: int, num_layers: int) -> list[CapturePoint] | None:
+    """Each point moved ``delta`` boundaries along the residual stream (None when one falls off, or
+    is not on the residual stream: the post-norm final state)."""
+    if any(p.boundary(num_layers) is None for p in points):
+        return None
+    ks = [_r(p, num_layers, "a shift") + delta for p in points]
+    return [boundary_point(k, num_layers) for k in ks] if all(0 <= k <= num_layers for k in ks) else None
+
+
+def embedding_inserted(points: Sequence[CapturePoint], num_layers: int) -> list[CapturePoint]:
+    """The incident's misreading: the embedding first, the last point dropped."""
+    return [CapturePoint.embedding(), *points[:-1]] if points else []

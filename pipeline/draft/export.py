@@ -186,6 +186,12 @@ def load_draft(directory: str | Path, target_dir: str | Path | None = None, dtyp
     """Load an exported draft back into the reference model (embedding from the target)."""
     d = Path(directory)
     manifest = DraftArtifactManifest.model_validate_json((d / ARTIFACT_MANIFEST).read_text())
+    if manifest.provenance != "fingerprints":  # imported: the draft's own layout (SpecForge, speculators, vLLM)
+        from pipeline.draft.foreign import read_draft
+
+        if target_dir is None:
+            raise ExportError(f"{d}: an imported draft needs the target to load (its embedding may be the target's)")
+        return read_draft(d, target_dir).model.to(dtype)
     model = Eagle3Draft(DraftConfig(**manifest.draft_config))
     sd = load_file(str(d / WEIGHTS))
     missing, unexpected = model.load_state_dict(sd, strict=False)

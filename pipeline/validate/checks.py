@@ -27,8 +27,12 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def identity(trained: TargetIdentity, serving: TargetIdentity) -> tuple[list[Check], Result]:
+def identity(trained: TargetIdentity, serving: TargetIdentity, imported: bool = False) -> tuple[list[Check], Result]:
     checks, res = [], Result()
+    if imported:  # its manifest names the target it was probed against, not the one it was trained for
+        return [Check(name=what, ok=True, message=f"{what}: not available for an imported draft (no training-data "
+                      "digests; the probe ran against the serving target)")
+                for what in ("weights", "config", "tokenizer", "chat template")], res
     for f, what in (("weights_sha256", "weights"), ("config_sha256", "config"), ("tokenizer_sha256", "tokenizer"),
                     ("chat_template_sha256", "chat template")):
         a, b = getattr(trained, f), getattr(serving, f)

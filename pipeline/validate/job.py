@@ -136,6 +136,13 @@ def load_case(cfg: ValidateConfig) -> Case:
     """Everything validation needs before any engine starts; ValidationInputError when unusable."""
     s = cfg.serving
     art = Path(cfg.artifact)
+    if art.is_dir() and not (art / ARTIFACT_MANIFEST).exists() and (art / "config.json").exists():
+        if s.draft_config is None:  # the engine reads the draft's own config, not the adopted copy's path
+            cfg = cfg.model_copy(update={"serving": s.model_copy(update={"draft_config": str(art / "config.json")})})
+            s = cfg.serving
+        from pipeline.validate.foreign import import_for_validation
+
+        art = import_for_validation(cfg)
     manifest, fp = _load_artifact(art)
     draft_cfg_path = Path(s.draft_config) if s.draft_config else art / "config.json"
     draft_cfg_bytes = draft_cfg_path.read_bytes()
@@ -195,7 +202,7 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
     acceptance -- and collect every reason to block."""
     cfg, s, n, trained, fp, art = case.cfg, case.cfg.serving, case.n, case.trained, case.fp, case.art
     draft_cfg_path, release, reading = case.draft_cfg_path, case.release, case.reading
-    identity, res = checks.identity(case.manifest.target, case.serving_id)
+    identity, res = checks.identity(case.manifest.target, case.serving_id, case.manifest.provenance != "fingerprints")
     if reading is not None:
         reasons = res.reasons + checks.reading_rule(case.readings, trained, s.engine, draft_cfg_path.name, n).reasons
         engine_reads = {**reading.as_dict(n), "release": release,
@@ -235,12 +242,24 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
         decision="block" if reasons else "pass", reasons=reasons, artifact_digest=case.manifest.content_digest,
         serving_key=sc.key, serving=sc.model_dump(mode="json") | {"attn_implementation": s.attn_implementation},
         engine_reads=engine_reads, feed=feed, slots=slots, identity=identity, acceptance=accept,
+        provenance=provenance(case.manifest),
         tolerances=cfg.tolerances.model_dump(),
         calibration={"matched_rel_l2": [x.errors[x.best] for x in slots], "nearest_other_rel_l2": [
             sorted(v for k, v in x.errors.items() if k != x.best)[0] for x in slots],
             "note": "measured: fp32 replay of fp32 data ~1e-6; bf16 vs fp32 ~0.2-1%; eager vs sdpa ~1e-6 (fp32); "
                     "adjacent boundaries 28-96% on the tiny target"},
     )
+
+
+def provenance(m: DraftArtifactManifest) -> dict:
+    """Where the trained points come from: the training data's fingerprints, or the probe's inference."""
+    if m.provenance != "fingerprints":
+        p = m.probe or {}
+        how = ("inferred by strata probe from the draft's own predictions (not fingerprint evidence)"
+               if m.provenance == "inferred" else "declared by whoever trained the draft (not fingerprint evidence)")
+        return {"trained_points": how, "margin": p.get("margin"), "margin_se": p.get("margin_se"),
+                "summary": p.get("summary"), "source": p.get("source")}
+    return {"trained_points": "the training data's fingerprints", "dataset_id": m.dataset_id}
 
 
 def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:

@@ -19,6 +19,8 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
              f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
              f"{indent}{r.engine_reads.get('rule', r.serving['engine'])} reads {r.engine_reads['key']} = "
              f"{r.engine_reads['ids']} -> rule predicts {r.engine_reads['labels']}"]
+    if r.provenance.get("summary"):
+        lines.append(f"{indent}trained points {r.provenance['trained_points']}: {r.provenance['summary']}")
     if "prefill" in r.feed:
         lines.append(f"{indent}measured feed ({r.feed.get('measured_with')}): prefill {r.feed['prefill']}; "
                      f"verify steps {r.feed['verify']}")

@@ -1,0 +1,91 @@
+"""A draft trained elsewhere as a Strata artifact: its own files byte for byte, plus a manifest
+whose trained points are the probe's inference (provenance ``inferred``, the evidence beside it)
+and fingerprints of those points computed on the probe prompts, so the gate can measure a feed
+against them exactly as for a draft trained here."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline import conventions
+from pipeline.draft.export import atomic_dir
+from pipeline.draft.foreign import ForeignDraftError
+from pipeline.fingerprint import Fingerprints, projection, sketch, tensor_digest
+from pipeline.identity import target_config, target_identity
+from schemas.artifact import (
+    ARTIFACT_CONFIG,
+    ARTIFACT_FINGERPRINTS,
+    ARTIFACT_MANIFEST,
+    ARTIFACT_WEIGHTS,
+    DraftArtifactManifest,
+    content_digest,
+)
+
+FINGERPRINT_DIM, FINGERPRINT_SEED = 64, 0
+
+
+def probe_fingerprints(probe, trained, dim: int = FINGERPRINT_DIM, seed: int = FINGERPRINT_SEED) -> Fingerprints:
+    """Sketches of the trained points on the probe prompts (the HF target's values)."""
+    cap, n = probe.capture, probe.report.num_layers
+    points = [str(p) for p in trained]
+    proj = projection(cap.states[0].shape[-1], dim, seed)
+    lengths = [int(x) for x in cap.lengths]
+    sk, rm, dg = {p: [] for p in points}, {p: [] for p in points}, {p: [] for p in points}
+    for p, i in zip(points, [cap.index(conventions.boundary_point(q.boundary(n), n)) for q in trained], strict=True):
+        for row, L in enumerate(lengths):
+            x = cap.states[i][row, :L]
+            s, q = sketch(x, proj)
+            sk[p].append(s)
+            rm[p].append(q)
+            dg[p].append(tensor_digest(x))
+    return Fingerprints(
+        sample_ids=[f"probe-{i}" for i in range(len(lengths))], lengths=lengths, points=points, dim=dim, seed=seed,
+        sketches={p: torch.cat(v) for p, v in sk.items()}, rms={p: torch.cat(v) for p, v in rm.items()}, digests=dg,
+        input_ids=torch.cat([cap.tokens[row, :L] for row, L in enumerate(lengths)]))
+
+
+def _weights_file(d: Path) -> Path:
+    files = [f for f in sorted(d.glob("*.safetensors")) if not f.name.startswith("strata_")]
+    if len(files) != 1:
+        raise ForeignDraftError(f"{d}: {len(files)} safetensors files; importing needs the draft in one file "
+                                f"({ARTIFACT_WEIGHTS})")
+    return files[0]
+
+
+def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
+    """Write the imported artifact to ``out_dir`` (atomically); refuses an inconclusive probe."""
+    r, d = probe.report, probe.draft
+    points = probe.trained
+    if points is None:
+        raise ForeignDraftError(f"{d.directory}: cannot import a draft whose training layers are not known: {r.summary}")
+    n = r.num_layers
+    engine = "sglang" if f"eagle_config.{conventions.AUX_KEY}" in d.claimed else "vllm"  # whose key it writes
+    tcfg = probe.cfg.target
+    ident = target_identity(tcfg.path, tcfg.name, tcfg.revision)
+    family = conventions.engine_family(engine, target_config(tcfg.path))
+    fp = probe_fingerprints(probe, points)
+    with atomic_dir(Path(out_dir)) as tmp:
+        shutil.copyfile(_weights_file(d.directory), tmp / ARTIFACT_WEIGHTS)
+        shutil.copyfile(d.directory / ARTIFACT_CONFIG, tmp / ARTIFACT_CONFIG)
+        name, sha = fp.save(str(tmp), name=ARTIFACT_FINGERPRINTS)
+        evidence = {k: v for k, v in r.model_dump(mode="json").items()
+                    if k in ("summary", "layout", "prompts", "positions", "best", "runner_up", "margin", "margin_se",
+                             "z", "evaluated", "claimed", "claimed_readings", "declared", "verdict")}
+        evidence["source"] = str(d.directory)
+        evidence["source_sha256"] = hashlib.sha256((tmp / ARTIFACT_WEIGHTS).read_bytes()).hexdigest()
+        ids = d.claimed_ids
+        manifest = DraftArtifactManifest(
+            content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
+            engine_family=family if engine == "sglang" else None, aux_capture_points=points,
+            aux_layer_ids=ids or [], aux_layer_ids_convention="as found in the imported config (not written by Strata)",
+            ids_valid_for=conventions.releases_reading(d.config, points, engine, family, n), target=ident,
+            draft_config=d.model.config.to_dict(), training={"trained_by": "elsewhere (imported)", "layout": d.layout},
+            fingerprints={"path": name, "sha256": sha, "probe_samples": len(fp.sample_ids), "dim": fp.dim,
+                          "seed": fp.seed, "computed_from": "the probe prompts, through HF transformers"},
+            provenance=r.provenance or "inferred", probe=evidence)
+        (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))
+    return manifest

@@ -1,0 +1,164 @@
+"""Rank candidate aux sets by the draft's agreement, and say how sure the ranking is.
+
+Candidates first: every reading of the config's ids (each engine release, the training tools,
+HF), every default, each of those shifted by 1-3 boundaries, and the embedding inserted. Then a
+per-slot search over every boundary from the best so far, until no slot improves. Sets are
+ascending and distinct (what an engine can feed). The margin to the runner-up gets a standard
+error from resampling prompts; within ``z`` of it the answer is "inconclusive".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline import conventions
+from pipeline.draft.model import Eagle3Draft
+from pipeline.probe.capture import ProbeCapture
+from pipeline.probe.score import agreement
+from schemas.capture import CapturePoint
+
+Aux = tuple[int, ...]  # indices into ProbeCapture.points, one per slot
+
+
+@dataclass
+class Scored:
+    aux: Aux
+    hits: torch.Tensor                       # [steps, P]
+    why: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SlotEvidence:
+    """One slot, the others held at the best set: its best boundary against its next best."""
+
+    slot: int
+    best: int                                # index into Inference.points
+    runner_up: int | None
+    margin: float
+    margin_se: float
+
+
+@dataclass
+class Inference:
+    points: list[CapturePoint]               # the capture's boundaries, r_0..r_N
+    counted: torch.Tensor                    # [steps, P]
+    ranked: list[Scored]                     # best first
+    margin: float                            # agreement(best) - agreement(runner-up), all steps pooled
+    margin_se: float                         # its standard error over resampled prompts
+    z: float                                 # how many standard errors make it conclusive
+    slots: list[SlotEvidence] = field(default_factory=list)
+
+    @property
+    def best(self) -> Scored:
+        return self.ranked[0]
+
+    @property
+    def runner_up(self) -> Scored:
+        return self.ranked[1]
+
+    @property
+    def conclusive(self) -> bool:
+        return self.margin > self.z * self.margin_se and self.margin > 0
+
+    def slot_conclusive(self, e: SlotEvidence) -> bool:
+        return e.runner_up is None or (e.margin > self.z * e.margin_se and e.margin > 0)
+
+    def set_of(self, s: Scored) -> list[CapturePoint]:
+        return [self.points[i] for i in s.aux]
+
+    def agreement(self, s: Scored) -> list[float]:
+        """Per TTT step: the fraction of positions where the draft predicted the target's token."""
+        return (s.hits.sum(1).float() / self.counted.sum(1).clamp(min=1).float()).tolist()
+
+    def pooled(self, s: Scored) -> float:
+        return float(s.hits.sum() / self.counted.sum().clamp(min=1))
+
+
+def _ascending(aux: Aux) -> bool:
+    return all(a < b for a, b in zip(aux, aux[1:], strict=False))
+
+
+def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux: int, n: int
+                    ) -> dict[Aux, list[str]]:
+    """The readings (of the draft's slot count), each shifted by +-1..3, and with the embedding inserted."""
+    out: dict[Aux, list[str]] = {}
+
+    def add(points: Sequence[CapturePoint] | None, why: str) -> None:
+        if points is None or len(points) != num_aux:
+            return
+        aux = tuple(p.boundary(n) for p in points)
+        if None not in aux and _ascending(aux):  # type: ignore[arg-type]
+            out.setdefault(aux, []).append(why)  # type: ignore[arg-type]
+
+    for points, who in readings.items():
+        add(points, "; ".join(who))
+    for points, who in list(readings.items()):
+        for d in (1, -1, 2, -2, 3, -3):
+            add(conventions.shifted(points, d, n), f"{'+' if d > 0 else ''}{d} from {who[0]}")
+        add(conventions.embedding_inserted(points, n), f"the embedding inserted into {who[0]}")
+    return out
+
+
+def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], steps: int = 1,
+          rounds: int = 4, resamples: int = 1000, z: float = 3.0, seed: int = 0, progress=None) -> Inference:
+    """Score the seeds, then search slot by slot from the best; rank everything evaluated."""
+    n_aux, n_b = draft.config.num_aux, len(cap.points)
+    scored: dict[Aux, Scored] = {}
+    counted = None
+
+    def evaluate(cands: Iterable[tuple[Aux, str]]) -> None:
+        nonlocal counted
+        for aux, why in cands:
+            if aux in scored:
+                if why not in scored[aux].why:
+                    scored[aux].why.append(why)
+                continue
+            hits, counted = agreement(draft, cap, aux, steps)
+            scored[aux] = Scored(aux, hits, [why])
+            if progress is not None:
+                progress.update(1)
+
+    def best() -> Scored:
+        return max(scored.values(), key=lambda s: (int(s.hits.sum()), -sum(s.aux)))
+
+    evaluate((aux, "; ".join(why)) for aux, why in seeds.items())
+    if not scored:  # no reading fits the draft's slot count: start from evenly spread boundaries
+        evaluate([(tuple(round(i * (n_b - 1) / (n_aux + 1)) for i in range(1, n_aux + 1)), "evenly spread")])
+    for _ in range(rounds):
+        start = best().aux
+        for slot in range(n_aux):
+            cur = best().aux
+            lo = cur[slot - 1] + 1 if slot else 0
+            hi = cur[slot + 1] if slot + 1 < n_aux else n_b
+            evaluate(((*cur[:slot], k, *cur[slot + 1:]), f"per-slot search (slot {slot})") for k in range(lo, hi))
+        if best().aux == start:
+            break
+    ranked = sorted(scored.values(), key=lambda s: (-int(s.hits.sum()), sum(s.aux)))
+    assert counted is not None
+    if len(ranked) < 2:
+        raise ValueError("the probe needs at least two candidate aux sets")
+    margin, se = _margin(ranked[0].hits, ranked[1].hits, counted, resamples, seed)
+    top = ranked[0]
+    slots = []
+    for j in range(n_aux):  # which slots the evidence pins down, and which the draft barely uses
+        rivals = [x for x in ranked[1:] if x.aux[j] != top.aux[j] and all(
+            x.aux[i] == top.aux[i] for i in range(n_aux) if i != j)]
+        if not rivals:
+            slots.append(SlotEvidence(j, top.aux[j], None, float("inf"), 0.0))
+            continue
+        m, e = _margin(top.hits, rivals[0].hits, counted, resamples, seed + 1 + j)
+        slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
+    return Inference(cap.points, counted, ranked, margin, se, z, slots)
+
+
+def _margin(a: torch.Tensor, b: torch.Tensor, counted: torch.Tensor, resamples: int, seed: int) -> tuple[float, float]:
+    """Pooled agreement difference and its bootstrap standard error over prompts."""
+    diff, cnt = (a - b).sum(0).double(), counted.sum(0).double()   # per prompt
+    margin = float(diff.sum() / cnt.sum().clamp(min=1))
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=g)
+    boot = diff[idx].sum(1) / cnt[idx].sum(1).clamp(min=1)
+    return margin, float(boot.std())

@@ -1,0 +1,118 @@
+"""Probe benchmark (not a test): prints and saves JSON.
+
+For targets of several depths and drafts of several qualities (untrained, briefly trained,
+trained), on the EAGLE-3 default aux set: the probe's wall time split into the target's capture
+and the candidate search, the search's cost per candidate against the capture's forward pass
+(a ratio in the same run), the margin over the runner-up in standard errors, and whether it
+recovered the trained set.
+
+    python tests/benchmarks/bench_probe.py                       # depths 6 12 61, tiny targets
+    python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from _results import save_result  # noqa: E402
+
+from pipeline import conventions  # noqa: E402
+from pipeline.extract.job import run_extract  # noqa: E402
+from pipeline.probe.capture import capture_boundaries  # noqa: E402
+from pipeline.probe.job import probe_prompts, run_probe  # noqa: E402
+from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
+from pipeline.train.job import run_train  # noqa: E402
+from schemas.extract import ExtractConfig  # noqa: E402
+from schemas.probe import ProbeConfig  # noqa: E402
+from schemas.train import TrainConfig  # noqa: E402
+
+
+def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
+    """A draft trained ``epochs`` epochs on ``aux``; 0: the same draft with random weights."""
+    if epochs == 0:
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        from pipeline.draft.model import init_weights
+
+        src = _draft(root, target, aux, 1)
+        out = root / "untrained"
+        shutil.copytree(src, out, dirs_exist_ok=True)
+        (out / "strata_artifact.json").unlink()
+        sd = load_file(str(out / "model.safetensors"))
+        from pipeline.draft.foreign import read_draft
+
+        model = read_draft(src, target).model
+        init_weights(model, seed=1)
+        rand = {k: v for k, v in model.state_dict().items() if k in sd}
+        save_file({k: v.contiguous() if v.is_floating_point() else v.to(torch.long) for k, v in rand.items()},
+                  str(out / "model.safetensors"))
+        return out
+    run = root / f"run-{epochs}"
+    if not run.exists():
+        run_train(TrainConfig.model_validate({
+            "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(run),
+            "aux": aux, "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": epochs,
+            "num_workers": 1, "eval_fraction": 0.05, "optim": {"lr": 1e-2, "warmup_steps": 10},
+            "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]},
+            "heldout_acceptance": {"prompts": 0}}), use_ray=False)
+    return run / "export" / "vllm"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--depths", type=int, nargs="+", default=[6, 12, 61])
+    ap.add_argument("--epochs", type=int, nargs="+", default=[0, 1, 6], help="draft quality: training epochs")
+    ap.add_argument("--conversations", type=int, default=240)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for n in args.depths:
+        root = Path(tempfile.mkdtemp(prefix=f"strata-bench-probe-{n}-"))
+        target = make_tiny_target(root / "target", num_layers=n, hidden_size=args.hidden)
+        trained = conventions.default_aux_points("vllm", n)
+        write_conversations(root / "conv.jsonl", n=args.conversations)
+        run_extract(ExtractConfig.model_validate({
+            "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")},
+            "output": {"uri": str(root / "ds")}, "capture": [*map(str, trained), "final:post_norm"],
+            "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 0}}),
+            progress=False, use_ray=False)
+        cfg = ProbeConfig.model_validate({"draft": "-", "target": {"path": str(target)}, "prompts": args.prompts})
+        t0 = time.perf_counter()
+        cap = capture_boundaries(target, probe_prompts(cfg))
+        capture_s = time.perf_counter() - t0
+        for epochs in args.epochs:
+            draft = _draft(root, target, [str(p) for p in trained], epochs)
+            t0 = time.perf_counter()
+            probe = run_probe(cfg.model_copy(update={"draft": str(draft)}), progress=False, capture=cap)
+            search_s = time.perf_counter() - t0
+            r = probe.report
+            rows.append({
+                "layers": n, "draft_epochs": epochs, "verdict": r.verdict,
+                "recovered_trained_set": r.best.points == trained and r.verdict == "inferred",
+                "best": r.best.boundaries, "runner_up": r.runner_up.boundaries,
+                "agreement_best": r.best.agreement, "margin": r.margin, "margin_se": r.margin_se,
+                "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1), "candidates": r.evaluated,
+                "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
+                "search_per_candidate_over_capture": round(search_s / r.evaluated / capture_s, 4),
+                "positions": r.positions, "prompts": r.prompts})
+            print(rows[-1], flush=True)
+    save_result({"benchmark": "probe", "machine": platform.machine(), "cpus": os.cpu_count(),
+                 "hidden_size": args.hidden, "trained_on": "each depth's EAGLE-3 default (r_2, r_N//2, r_N-3)",
+                 "rows": rows}, "probe_tiny_cpu.json", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""``strata probe``: which layers a draft was trained on, from its own predictions -- for drafts in
+SpecForge's and speculators' layouts (written by those tools' released code, tests/foreign_drafts.py)
+with Strata's files removed and the ids deleted or mislabeled; and such drafts through the gate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from foreign_drafts import specforge_export, speculators_export
+from safetensors.torch import save_file
+
+from pipeline import conventions
+from pipeline.draft.export import load_draft
+from pipeline.draft.foreign import ForeignDraftError, read_draft
+from schemas.capture import CapturePoint
+
+lo, E = CapturePoint.layer_output, CapturePoint.embedding()
+
+
+# -- reading other tools' layouts ----------------------------------------------------------------
+def test_specforge_and_speculators_layouts_load_to_the_same_draft(trained_run, tiny_target, tmp_path):
+    strata = trained_run / "export" / "sglang"
+    sf = specforge_export(strata, tmp_path / "specforge", None, tmp_path / "wheels")
+    sp = speculators_export(sf, tmp_path / "speculators", tiny_target, [1, 2, 3], tmp_path / "wheels")
+    cfg = json.loads((sp / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and "transformer_layer_config" in cfg
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
+    ref = load_draft(strata, tiny_target).state_dict()
+    for d, layout, claimed in ((sf, "eagle3", {}), (sp, "speculators", {conventions.AUX_KEY: [1, 2, 3]})):
+        got = read_draft(d, tiny_target)
+        assert got.layout == layout and got.claimed == claimed, (got.layout, got.claimed)
+        assert set(got.model.state_dict()) == set(ref)
+        for k, v in got.model.state_dict().items():
+            assert torch.equal(v.to(ref[k].dtype), ref[k]), k
+    assert read_draft(sp, tiny_target).verifier == str(tiny_target)
+    # SpecForge's config with ids: in the nested eagle_config, where SGLang reads them
+    nested = specforge_export(strata, tmp_path / "specforge-ids", [0, 1, 2], tmp_path / "wheels")
+    got = read_draft(nested, tiny_target)
+    assert got.layout == "eagle3" and got.claimed == {f"eagle_config.{conventions.AUX_KEY}": [0, 1, 2]}
+
+
+def test_a_pickle_checkpoint_is_refused_and_bad_drafts_are_named(trained_run, tiny_target, tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    shutil.copy(trained_run / "export" / "sglang" / "config.json", d)
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    with pytest.raises(ForeignDraftError, match="pickle checkpoint .*pytorch_model.bin.*never unpickles"):
+        read_draft(d, tiny_target)
+    (d / "pytorch_model.bin").unlink()
+    save_file({"fc.weight": torch.zeros(64, 100)}, str(d / "model.safetensors"))
+    with pytest.raises(ForeignDraftError, match="not a multiple of target_hidden_size"):
+        read_draft(d, tiny_target)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "fc_norm": True}))
+    with pytest.raises(ForeignDraftError, match="fc_norm"):
+        read_draft(d, tiny_target)
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ForeignDraftError, match="not an EAGLE-3 draft"):
+        read_draft(d, tiny_target)
+
+
+def test_every_reading_of_a_config_is_a_candidate():
+    n = 12
+    readings = conventions.readings_of_config({"eagle_config": {conventions.AUX_KEY: [1, 5, 8]}}, n,
+                                              {"sglang": "LlamaForCausalLM", "vllm": "LlamaForCausalLM"})
+    by = {tuple(str(p) for p in k): v for k, v in readings.items()}
+    # SGLang's llama.py adds 1; SpecForge's ids are layer outputs: the same tensors
+    o158 = (str(lo(1)), str(lo(5)), str(lo(8)))
+    assert any(w.startswith("sglang") for w in by[o158]) and any(w.startswith("SpecForge") for w in by[o158])
+    # HF indices name r_1, r_5, r_8; every tool's default is r_2, r_6, r_9 (o_1, o_5, o_8 again)
+    assert any(w.startswith("HF") for w in by[(str(lo(0)), str(lo(4)), str(lo(7)))])
+    assert {"vllm's default", "sglang's default", "specforge's default"} <= set(by[o158])
+    assert conventions.shifted([lo(1), lo(5), lo(8)], -2, n) == [E, lo(3), lo(6)]
+    assert conventions.shifted([lo(1), lo(5), lo(8)], -3, n) is None
+    assert conventions.shifted([lo(1), CapturePoint.final("post")], 1, n) is None  # not on the residual stream
+    assert conventions.embedding_inserted([lo(1), lo(5), lo(8)], n) == [E, lo(1), lo(5)]
+
+
+# -- drafts trained on three aux sets, probed back from other tools' layouts ---------------------
+SETS = {
+    "the EAGLE-3 default": [lo(1), lo(5), lo(8)],         # r_2, r_6, r_9: the pretrained run's draft
+    "another spread": [lo(2), lo(6), lo(10)],             # r_3, r_7, r_11
+    "with the embedding": [E, lo(3), lo(7)],              # r_0, r_4, r_8
+}
+
+
+def mislabeled(trained):
+    """The ids that make vLLM feed every trained point's next boundary: a config off by one."""
+    return conventions.aux_ids_for(conventions.shifted(trained, 1, 12), "vllm", 12)
+
+
+@pytest.fixture(scope="module")
+def drafts(pretrained_run, pretrained_target, tmp_path_factory):
+    """Each set's draft (the default one is the pretrained run's own), as Strata exported it for vLLM."""
+    from pipeline.train.job import run_train
+    from schemas.train import TrainConfig
+
+    root = tmp_path_factory.mktemp("probe-drafts")
+    out = {"the EAGLE-3 default": pretrained_run / "export" / "vllm"}
+    base = json.loads((pretrained_run / "run.json").read_text())["cfg"]
+    for name, aux in SETS.items():
+        if name in out:
+            continue
+        run = root / name.replace(" ", "-")
+        run_train(TrainConfig.model_validate({
+            **base, "output": str(run), "aux": [str(p) for p in aux], "epochs": 4, "heldout_acceptance": {"prompts": 0}}),
+            use_ray=False)
+        out[name] = run / "export" / "vllm"
+    return out
+
+
+@pytest.fixture(scope="module")
+def probe_capture(pretrained_target):
+    from pipeline.probe.capture import capture_boundaries
+    from pipeline.probe.job import probe_prompts
+    from schemas.probe import ProbeConfig
+
+    return capture_boundaries(pretrained_target, probe_prompts(ProbeConfig.model_validate(
+        {"draft": "-", "target": {"path": str(pretrained_target)}})))
+
+
+def _probe(draft: Path, target: Path, capture=None, **extra):
+    """``strata probe`` in process (with a serving section: and what that deployment feeds)."""
+    from pipeline.probe.job import run_probe
+    from pipeline.validate.foreign import compare_with_serving
+    from schemas.probe import ProbeConfig
+
+    cfg = ProbeConfig.model_validate({"draft": str(draft), "target": {"path": str(target)}, **extra})
+    probe = run_probe(cfg, progress=False, capture=capture)
+    if cfg.serving is not None:
+        compare_with_serving(probe)
+    return probe
+
+
+@pytest.mark.parametrize("name", list(SETS))
+def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(name, drafts, pretrained_target, probe_capture,
+                                                                      tmp_path):
+    """Every draft, from SpecForge's layout with no ids and speculators' with ids off by one: the
+    probe names its trained set, or says it cannot tell -- never another set. (On this tiny target
+    the drafts trained here barely depend on which layers they read: adjacent boundaries differ by
+    15-25% and every candidate set's agreement lies within ~0.01 of the others, so the full search
+    is inconclusive -- and a draft may even agree a little more with states it was not trained on,
+    e.g. the embedding, which is why only a margin beyond noise over every rival counts.)"""
+    trained, work = SETS[name], tmp_path / "wheels"
+    sf = specforge_export(drafts[name], tmp_path / "specforge", None, work)
+    sp = speculators_export(sf, tmp_path / "speculators", pretrained_target, mislabeled(trained), work)
+    assert not list(sf.glob("strata_*")) and not list(sp.glob("strata_*"))
+    for d in (sf, sp):
+        r = _probe(d, pretrained_target, probe_capture).report
+        assert r.verdict in ("inferred", "inconclusive"), r.summary
+        if r.verdict == "inferred":
+            assert r.best.points == trained and r.margin > r.z * r.margin_se > 0, (name, d.name, r.summary)
+        else:
+            assert r.margin <= r.z * r.margin_se, r.summary
+        assert len(r.slots) == 3 and r.evaluated >= 10  # readings, shifts and the per-slot search all ran
+        assert any(c["read_by"][0].startswith("vllm") for c in r.claimed_readings) or d == sf
+
+
+def test_a_shortlist_is_scored_as_given_and_checked(drafts, pretrained_target, probe_capture, tmp_path):
+    """``candidates``: only the sets given are scored (no shifts, no search); the answer is one of
+    them or inconclusive, and a set that does not fit the draft is refused by name."""
+    trained = SETS["with the embedding"]
+    sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, tmp_path / "wheels")
+    shifted = conventions.shifted(trained, 1, 12)
+    r = _probe(sf, pretrained_target, probe_capture, candidates=[[str(p) for p in c] for c in (shifted, trained)]).report
+    assert r.evaluated == 2 and {tuple(r.best.points), tuple(r.runner_up.points)} == {tuple(trained), tuple(shifted)}
+    assert r.verdict in ("inferred", "inconclusive") and (r.verdict == "inconclusive" or r.best.points == trained)
+    with pytest.raises(ForeignDraftError, match="the draft has 3 slots"):
+        _probe(sf, pretrained_target, probe_capture, candidates=[["embedding"], ["layer_output:1"]])
+
+
+def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(drafts, pretrained_target,
+                                                                                probe_capture, tmp_path):
+    from pipeline.cli import EXIT_INCONCLUSIVE, EXIT_USAGE, main
+    from pipeline.draft.model import init_weights
+
+    d = tmp_path / "untrained"
+    shutil.copytree(drafts["another spread"], d)
+    (d / "strata_artifact.json").unlink()
+    model = read_draft(d, pretrained_target).model
+    init_weights(model, seed=3)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
+    save_file(sd, str(d / "model.safetensors"))
+    r = _probe(d, pretrained_target, probe_capture).report
+    assert r.verdict == "inconclusive" and "inconclusive" in r.summary
+    assert r.margin <= r.z * r.margin_se
+    args = ["--target", str(pretrained_target), "--prompts", "8"]
+    assert main(["probe", "--draft", str(d), *args]) == EXIT_INCONCLUSIVE
+    assert main(["import", str(d), "--registry", str(tmp_path / "reg"), *args]) == EXIT_INCONCLUSIVE
+    assert not (tmp_path / "reg").exists() or not list((tmp_path / "reg").rglob("strata_artifact.json"))
+    vcfg = tmp_path / "validate.yaml"
+    vcfg.write_text(json.dumps({"artifact": str(d), "serving": _serving(pretrained_target), "probe": {"prompts": 8}}))
+    assert main(["validate", "--config", str(vcfg)]) == EXIT_USAGE  # refused before any engine starts
+
+
+def _serving(target: Path) -> dict:
+    return {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512, "target": {"path": str(target)}}
+
+
+@pytest.mark.vllm
+def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(vllm_engine, drafts, pretrained_target,
+                                                                          probe_capture, tmp_path):
+    """speculators-layout drafts served by vLLM: the feed measured at the draft's fc against the
+    inferred training set -- the off-by-one config blocked (exit 3) with the ids to write, the
+    correct one passed."""
+    from pipeline.cli import EXIT_BLOCKED, main
+
+    trained, work = SETS["with the embedding"], tmp_path / "wheels"
+    sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, work)
+    good = conventions.aux_ids_for(trained, "vllm", 12)
+    ok = speculators_export(sf, tmp_path / "sp-good", pretrained_target, good, work, vocab_buffers=False)
+    r = _probe(ok, pretrained_target, probe_capture, serving=_serving(pretrained_target),
+               trained_on=[str(p) for p in trained]).report
+    assert r.verdict == "pass" and r.provenance == "declared", (r.summary, r.reasons)
+    assert r.summary.startswith("declared trained on r_0, r_4, r_8; the probe's evidence")
+    assert [s["fed"] for s in r.serving["slots"]] == [str(p) for p in trained]
+    assert all(s["fed_by"] == "measured" for s in r.serving["slots"])
+
+    bad = speculators_export(sf, tmp_path / "sp-bad", pretrained_target, mislabeled(trained), work, vocab_buffers=False)
+    cfg = tmp_path / "probe.yaml"
+    cfg.write_text(json.dumps({"draft": str(bad), "serving": _serving(pretrained_target),
+                               "trained_on": [str(p) for p in trained]}))
+    assert main(["probe", "--config", str(cfg)]) == EXIT_BLOCKED
+    rep = _probe(bad, pretrained_target, probe_capture, serving=_serving(pretrained_target),
+                 trained_on=[str(p) for p in trained]).report.model_dump(mode="json")
+    assert rep["verdict"] == "block" and rep["declared"] == [p.model_dump(mode="json") for p in trained]
+    assert [s["fed"] for s in rep["serving"]["slots"]] == [str(p) for p in conventions.shifted(trained, 1, 12)]
+    assert any(f"write top-level {conventions.AUX_KEY}={good}" in x for x in rep["reasons"]), rep["reasons"]
+
+
+@pytest.mark.vllm
+def test_a_foreign_draft_is_validated_imported_and_promoted_through_the_gate(vllm_engine, drafts, pretrained_target,
+                                                                             tmp_path):
+    from pipeline.cli import main
+    from pipeline.registry.registry import Registry
+    from pipeline.registry.store import LocalStore
+    from pipeline.validate.job import run_validate, serving_for_channel
+    from schemas.artifact import DraftArtifactManifest
+    from schemas.validation import ValidateConfig
+
+    trained, work = SETS["with the embedding"], tmp_path / "wheels"
+    sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, work)
+    d = speculators_export(sf, tmp_path / "hub-draft", pretrained_target, conventions.aux_ids_for(trained, "vllm", 12),
+                           work, vocab_buffers=False)
+    reg_dir = tmp_path / "registry"
+    vcfg = {"artifact": str(d), "serving": _serving(pretrained_target), "cost": False, "acceptance_prompts": 4,
+            "max_new_tokens": 16, "probe": {"trained_on": [str(p) for p in trained]}}
+    r = run_validate(ValidateConfig.model_validate({**vcfg, "registry": str(reg_dir)}))
+    assert r.decision == "pass", r.reasons
+    assert r.provenance["trained_points"].startswith("declared by whoever trained") and "margin" in r.provenance
+    assert all("not available for an imported draft" in c.message for c in r.identity)
+    assert [s.trained for s in r.slots] == trained and all(s.fed_by == "measured" for s in r.slots)
+
+    assert main(["import", str(d), "--target", str(pretrained_target), "--registry", str(reg_dir), "--trained-on",
+                 ",".join(str(p) for p in trained)]) == 0
+    reg = Registry(LocalStore(reg_dir))
+    assert [x.decision for x, _ in reg.all_records(r.artifact_digest)] == ["pass"]  # the same digest as validated
+    manifest = DraftArtifactManifest.model_validate_json(reg.store.get(f"artifacts/{r.artifact_digest}/strata_artifact.json")[0])
+    assert manifest.provenance == "declared" and manifest.aux_capture_points == trained and manifest.dataset_id is None
+    assert manifest.probe["declared"] == [p.model_dump(mode="json") for p in trained]
+    assert "margin_se" in manifest.probe and manifest.probe["verdict"] == "declared"  # the probe's evidence beside it
+    # the imported draft is promoted through the same gate as any other
+    vpath = tmp_path / "validate.yaml"
+    vpath.write_text(json.dumps(vcfg))
+    reg.create_channel("production", serving_for_channel(str(vpath)))
+    assert reg.promote(r.artifact_digest, "production").artifact_digest == r.artifact_digest
