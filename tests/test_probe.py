@@ -222,7 +222,7 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(vllm_
 
     bad = speculators_export(sf, tmp_path / "sp-bad", pretrained_target, mislabeled(trained), work, vocab_buffers=False)
     cfg = tmp_path / "probe.yaml"
-    cfg.write_text(json.dumps({"draft": str(bad), "serving": _serving(pretrained_target),
+    cfg.write_text(json.dumps({"draft": str(bad), "serving": _serving(pretrained_target), "prompts": 8,
                                "trained_on": [str(p) for p in trained]}))
     assert main(["probe", "--config", str(cfg)]) == EXIT_BLOCKED
     rep = _probe(bad, pretrained_target, probe_capture, serving=_serving(pretrained_target),
