@@ -55,6 +55,7 @@ class ProbeReport(BaseModel):
     margin: float                         # pooled agreement difference, best - runner-up
     margin_se: float                      # bootstrap standard error over prompts
     z: float
+    spread: float                         # best agreement minus the median candidate's (layer dependence)
     slots: list[dict] = []                # per slot, the others held at the best set: its boundary, next best, margin
     evaluated: int                        # candidate sets scored
     claimed_readings: list[dict]          # who reads the config how, and its agreement

@@ -155,9 +155,24 @@ def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(name, dra
         if r.verdict == "inferred":
             assert r.best.points == trained and r.margin > r.z * r.margin_se > 0, (name, d.name, r.summary)
         else:
-            assert r.margin <= r.z * r.margin_se, r.summary
+            assert r.margin <= r.z * r.margin_se or r.spread < 0.10, r.summary
         assert len(r.slots) == 3 and r.evaluated >= 10  # readings, shifts and the per-slot search all ran
         assert any(c["read_by"][0].startswith("vllm") for c in r.claimed_readings) or d == sf
+
+
+def test_a_draft_that_fits_other_layers_better_is_not_reported_as_trained_on_them(trained_run, tiny_target, tmp_path):
+    """The random-init target's draft (trained on r_2, r_3, r_4) agrees best with sets it was never
+    trained on -- beyond the noise (measured: r_0, r_1 at 4.8 SE on a 6-layer target) -- because it
+    barely depends on which layers it reads: the spread over the median candidate says so, and the
+    verdict is inconclusive, not a wrong set."""
+    sf = specforge_export(trained_run / "export" / "sglang", tmp_path / "sf", None, tmp_path / "wheels")
+    r = _probe(sf, tiny_target).report
+    trained = [lo(1), lo(2), lo(3)]
+    assert r.verdict == "inconclusive" or r.best.points == trained, r.summary
+    if r.verdict == "inconclusive" and r.margin > r.z * r.margin_se:
+        assert r.spread < 0.10 and "barely depends on which layers it reads" in r.summary, r.summary
+    loose = _probe(sf, tiny_target, min_spread=0.0).report  # without the guard: whatever the argmax is
+    assert loose.best.points == r.best.points and loose.margin == r.margin
 
 
 def test_a_shortlist_is_scored_as_given_and_checked(drafts, pretrained_target, probe_capture, tmp_path):

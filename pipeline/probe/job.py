@@ -130,7 +130,7 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
         bar = tqdm(desc="probe: candidate aux sets", unit="set", leave=False)
     try:
         inf = infer(draft.model, cap, seeds, steps=cfg.steps, rounds=rounds, resamples=cfg.resamples, z=cfg.z,
-                    progress=bar)
+                    progress=bar, min_spread=cfg.min_spread)
     finally:
         if bar is not None:
             bar.close()
@@ -156,6 +156,12 @@ def _report(cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dic
         summary = (f"{among}trained on {', '.join(best.boundaries)} ({words}): agreement {inf.pooled(inf.best):.3f}, "
                    f"{inf.margin:.3f} above the runner-up {', '.join(ru.boundaries)} "
                    f"(+-{inf.margin_se:.3f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)")
+    elif inf.margin > cfg.z * inf.margin_se and inf.margin > 0:
+        verdict = "inconclusive"
+        summary = (f"inconclusive: the best set {', '.join(best.boundaries)} leads the runner-up by {inf.margin:.4f} "
+                   f"(+-{inf.margin_se:.4f}), but it lies only {inf.spread:.3f} above the median candidate (at least "
+                   f"{cfg.min_spread:g} needed): this draft barely depends on which layers it reads, so its best fit "
+                   "says nothing about what it was trained on")
     else:
         verdict = "inconclusive"
         summary = (f"inconclusive: the best set {', '.join(best.boundaries)} (agreement {inf.pooled(inf.best):.3f}) "
@@ -181,6 +187,7 @@ def _report(cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dic
         declared=declared if cfg.trained_on else None, provenance=provenance,
         num_layers=n, prompts=n_prompts, positions=int(inf.counted[0].sum()), claimed=draft.claimed, best=best,
         runner_up=ru, margin=round(inf.margin, 5), margin_se=round(inf.margin_se, 5), z=cfg.z,
+        spread=round(inf.spread, 5),
         slots=[{"slot": e.slot, "boundary": conventions.boundary_label(inf.points[e.best], n),
                 "next_best": None if e.runner_up is None else conventions.boundary_label(inf.points[e.runner_up], n),
                 "margin": None if e.runner_up is None else round(e.margin, 5), "margin_se": round(e.margin_se, 5),

@@ -50,6 +50,13 @@ class Inference:
     margin_se: float                         # its standard error over resampled prompts
     z: float                                 # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
+    min_spread: float = 0.0                  # how far the best must lie above the median candidate
+
+    @property
+    def spread(self) -> float:
+        """Best pooled agreement minus the median candidate's: how much the draft leans on its layers."""
+        pooled = sorted(self.pooled(s) for s in self.ranked)
+        return self.pooled(self.best) - pooled[len(pooled) // 2]
 
     @property
     def best(self) -> Scored:
@@ -61,7 +68,10 @@ class Inference:
 
     @property
     def conclusive(self) -> bool:
-        return self.margin > self.z * self.margin_se and self.margin > 0
+        """Beyond noise over the runner-up, and from a draft that leans on its layers: a draft that barely
+        does can agree *more* with states it was not trained on (measured: the embedding's clean token
+        identity beating the trained layers), so its argmax says nothing about its training."""
+        return self.margin > self.z * self.margin_se and self.margin > 0 and self.spread >= self.min_spread
 
     def slot_conclusive(self, e: SlotEvidence) -> bool:
         return e.runner_up is None or (e.margin > self.z * e.margin_se and e.margin > 0)
@@ -103,7 +113,8 @@ def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux
 
 
 def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], steps: int = 1,
-          rounds: int = 4, resamples: int = 1000, z: float = 3.0, seed: int = 0, progress=None) -> Inference:
+          rounds: int = 4, resamples: int = 1000, z: float = 3.0, seed: int = 0, progress=None,
+          min_spread: float = 0.0) -> Inference:
     """Score the seeds, then search slot by slot from the best; rank everything evaluated."""
     n_aux, n_b = draft.config.num_aux, len(cap.points)
     scored: dict[Aux, Scored] = {}
@@ -151,7 +162,7 @@ def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], st
             continue
         m, e = _margin(top.hits, rivals[0].hits, counted, resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, counted, ranked, margin, se, z, slots)
+    return Inference(cap.points, counted, ranked, margin, se, z, slots, min_spread)
 
 
 def _margin(a: torch.Tensor, b: torch.Tensor, counted: torch.Tensor, resamples: int, seed: int) -> tuple[float, float]:

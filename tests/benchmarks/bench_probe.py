@@ -104,7 +104,8 @@ def main() -> None:
                 "recovered_trained_set": r.best.points == trained and r.verdict == "inferred",
                 "best": r.best.boundaries, "runner_up": r.runner_up.boundaries,
                 "agreement_best": r.best.agreement, "margin": r.margin, "margin_se": r.margin_se,
-                "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1), "candidates": r.evaluated,
+                "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1), "spread_over_median": r.spread,
+                "candidates": r.evaluated,
                 "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
                 "search_per_candidate_over_capture": round(search_s / r.evaluated / capture_s, 4),
                 "positions": r.positions, "prompts": r.prompts})
