@@ -252,7 +252,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     from pipeline.probe.job import run_probe
 
     args.draft = args.draft or args.dir
-    probe = run_probe(_probe_config(args), progress=not args.json)
+    cfg = _probe_config(args)
+    args.registry = args.registry or cfg.registry
+    probe = run_probe(cfg, progress=not args.json)
     if probe.trained is None:
         return _fail(f"strata: not imported: {probe.report.summary}", EXIT_INCONCLUSIVE, args.json)
     reg = _registry(args)

@@ -276,6 +276,12 @@ def shifted(points: Sequence[CapturePoint], delta: int, num_layers: int) -> list
     return [boundary_point(k, num_layers) for k in ks] if all(0 <= k <= num_layers for k in ks) else None
 
 
+def evenly_spread(num_aux: int, num_layers: int) -> list[CapturePoint]:
+    """``num_aux`` boundaries spread evenly between the embedding and r_N (exclusive): a start for a
+    search when no reading of a config fits the draft's slot count."""
+    return [boundary_point(round(i * num_layers / (num_aux + 1)), num_layers) for i in range(1, num_aux + 1)]
+
+
 def embedding_inserted(points: Sequence[CapturePoint], num_layers: int) -> list[CapturePoint]:
     """The incident's misreading: the embedding first, the last point dropped."""
     return [CapturePoint.embedding(), *points[:-1]] if points else []

@@ -9,6 +9,7 @@ preserved to ~1/sqrt(dim)), each token's RMS, and the SHA-256 of the raw tensor 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -120,31 +121,44 @@ class Fingerprints:
         )
 
 
-def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
-    """Fingerprints of ``n_probe`` samples of a dataset, from the stored (trained-on) values."""
-    refs = {r.sample_id: r for r in index_samples(reader)}
-    chosen = probe_ids(list(refs), n_probe)
-    points = list(reader.points)
-    hidden = {p: reader.provenance(p).hidden_size for p in points}
-    projs = {h: projection(h, dim, seed) for h in set(hidden.values())}
-    sk = {p: [] for p in points}
-    rm = {p: [] for p in points}
-    dg = {p: [] for p in points}
-    ids, lengths = [], []
-    for sid in chosen:
-        r = refs[sid]
-        table = reader.read_row_group(r.shard, r.row_group)
-        ids.append(torch.from_numpy(table["input_ids"][r.row].values.to_numpy().astype("int64")))
-        lengths.append(r.tokens)
+def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor]]], points: list[str],
+                 dim: int = 64, seed: int = 0) -> Fingerprints:
+    """Fingerprints of (sample id, token ids [T], point -> [T, H]) samples, consumed one at a time."""
+    projs: dict[int, torch.Tensor] = {}
+    sk: dict[str, list] = {p: [] for p in points}
+    rm: dict[str, list] = {p: [] for p in points}
+    dg: dict[str, list] = {p: [] for p in points}
+    sids, ids, lengths = [], [], []
+    for sid, toks, tensors in samples:
+        sids.append(sid)
+        ids.append(toks)
+        lengths.append(int(toks.numel()))
         for p in points:
-            x = reader.decode(table, r.row, p)
-            s, q = sketch(x, projs[hidden[p]])
+            x = tensors[p]
+            if x.shape[-1] not in projs:
+                projs[x.shape[-1]] = projection(x.shape[-1], dim, seed)
+            s, q = sketch(x, projs[x.shape[-1]])
             sk[p].append(s)
             rm[p].append(q)
             dg[p].append(tensor_digest(x))
     return Fingerprints(
-        sample_ids=chosen, lengths=lengths, points=points, dim=dim, seed=seed,
+        sample_ids=sids, lengths=lengths, points=points, dim=dim, seed=seed,
         sketches={p: torch.cat(v) if v else torch.zeros(0, dim) for p, v in sk.items()},
         rms={p: torch.cat(v) if v else torch.zeros(0) for p, v in rm.items()}, digests=dg,
         input_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long),
     )
+
+
+def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
+    """Fingerprints of ``n_probe`` samples of a dataset, from the stored (trained-on) values."""
+    refs = {r.sample_id: r for r in index_samples(reader)}
+    points = list(reader.points)
+
+    def samples():
+        for sid in probe_ids(list(refs), n_probe):
+            r = refs[sid]
+            table = reader.read_row_group(r.shard, r.row_group)
+            toks = torch.from_numpy(table["input_ids"][r.row].values.to_numpy().astype("int64"))
+            yield sid, toks, {p: reader.decode(table, r.row, p) for p in points}
+
+    return from_samples(samples(), points, dim, seed)

@@ -9,12 +9,10 @@ import hashlib
 import shutil
 from pathlib import Path
 
-import torch
-
 from pipeline import conventions
 from pipeline.draft.export import atomic_dir
 from pipeline.draft.foreign import ForeignDraftError
-from pipeline.fingerprint import Fingerprints, projection, sketch, tensor_digest
+from pipeline.fingerprint import Fingerprints, from_samples
 from pipeline.identity import target_config, target_identity
 from schemas.artifact import (
     ARTIFACT_CONFIG,
@@ -24,28 +22,18 @@ from schemas.artifact import (
     DraftArtifactManifest,
     content_digest,
 )
+from schemas.capture import CapturePoint
 
 FINGERPRINT_DIM, FINGERPRINT_SEED = 64, 0
 
 
-def probe_fingerprints(probe, trained, dim: int = FINGERPRINT_DIM, seed: int = FINGERPRINT_SEED) -> Fingerprints:
+def probe_fingerprints(probe, trained: list[CapturePoint], dim: int = FINGERPRINT_DIM,
+                       seed: int = FINGERPRINT_SEED) -> Fingerprints:
     """Sketches of the trained points on the probe prompts (the HF target's values)."""
-    cap, n = probe.capture, probe.report.num_layers
-    points = [str(p) for p in trained]
-    proj = projection(cap.states[0].shape[-1], dim, seed)
-    lengths = [int(x) for x in cap.lengths]
-    sk, rm, dg = {p: [] for p in points}, {p: [] for p in points}, {p: [] for p in points}
-    for p, i in zip(points, [cap.index(conventions.boundary_point(q.boundary(n), n)) for q in trained], strict=True):
-        for row, L in enumerate(lengths):
-            x = cap.states[i][row, :L]
-            s, q = sketch(x, proj)
-            sk[p].append(s)
-            rm[p].append(q)
-            dg[p].append(tensor_digest(x))
-    return Fingerprints(
-        sample_ids=[f"probe-{i}" for i in range(len(lengths))], lengths=lengths, points=points, dim=dim, seed=seed,
-        sketches={p: torch.cat(v) for p, v in sk.items()}, rms={p: torch.cat(v) for p, v in rm.items()}, digests=dg,
-        input_ids=torch.cat([cap.tokens[row, :L] for row, L in enumerate(lengths)]))
+    cap = probe.capture
+    samples = ((f"probe-{row}", cap.tokens[row, :L], {str(p): cap.states[cap.index(p)][row, :L] for p in trained})
+               for row, L in enumerate(cap.lengths.tolist()))
+    return from_samples(samples, [str(p) for p in trained], dim, seed)
 
 
 def _weights_file(d: Path) -> Path:

@@ -31,7 +31,6 @@ class Probe:
     cfg: ProbeConfig
     draft: ForeignDraft
     capture: ProbeCapture
-    prompts: list[list[int]]
     inference: Inference
     report: ProbeReport
 
@@ -110,7 +109,6 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
     elif capture.num_layers != n:
         raise ForeignDraftError(f"the capture given holds {capture.num_layers} layers; the target {tdir} has {n}")
     cap = capture
-    prompts = [cap.tokens[i, :L].tolist() for i, L in enumerate(cap.lengths.tolist())]
     archs = {}
     for engine in ("vllm", "sglang"):
         try:
@@ -134,8 +132,8 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
     finally:
         if bar is not None:
             bar.close()
-    report = _report(cfg, draft, inf, readings, n, len(prompts))
-    return Probe(cfg, draft, cap, prompts, inf, report)
+    report = _report(cfg, draft, inf, readings, n, len(cap.lengths))
+    return Probe(cfg, draft, cap, inf, report)
 
 
 def _report(cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dict, n: int, n_prompts: int

@@ -109,6 +109,8 @@ def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux
         for d in (1, -1, 2, -2, 3, -3):
             add(conventions.shifted(points, d, n), f"{'+' if d > 0 else ''}{d} from {who[0]}")
         add(conventions.embedding_inserted(points, n), f"the embedding inserted into {who[0]}")
+    if not out:  # no reading fits the draft's slot count: a search from evenly spread boundaries
+        add(conventions.evenly_spread(num_aux, n), "evenly spread")
     return out
 
 
@@ -135,9 +137,9 @@ def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], st
     def best() -> Scored:
         return max(scored.values(), key=lambda s: (int(s.hits.sum()), -sum(s.aux)))
 
+    if not seeds:
+        raise ValueError("the probe needs at least one candidate aux set to start from")
     evaluate((aux, "; ".join(why)) for aux, why in seeds.items())
-    if not scored:  # no reading fits the draft's slot count: start from evenly spread boundaries
-        evaluate([(tuple(round(i * (n_b - 1) / (n_aux + 1)) for i in range(1, n_aux + 1)), "evenly spread")])
     for _ in range(rounds):
         start = best().aux
         for slot in range(n_aux):
