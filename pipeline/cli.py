@@ -115,6 +115,22 @@ def cmd_make_conversations(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from pipeline.regenerate.job import output_uri, run_regenerate
+    from schemas.config import load_config
+    from schemas.regenerate import RegenerateConfig
+
+    cfg = load_config(args.config, RegenerateConfig)
+    rec = run_regenerate(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
+    t = rec.totals
+    print(f"regenerated {output_uri(cfg)}: input rows {t['rows']} = written {t['written']} + quarantined "
+          f"{t['quarantined']}; {t['turns']} assistant turns by {rec.engine['name']} {rec.engine['version']} "
+          f"({'greedy' if rec.sampling.temperature == 0 else f'sampled, T={rec.sampling.temperature:g}'}), "
+          f"{t['cut_turns']} cut at max_new_tokens, {t['dropped_turns']} dropped\n"
+          f"extract from it: source: {{uri: {output_uri(cfg)}}}")
+    return 0
+
+
 def cmd_extract(args: argparse.Namespace) -> int:
     from pipeline.extract.job import run_extract
     from schemas.config import load_config
@@ -123,10 +139,12 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config, ExtractConfig)
     else:
-        from pipeline.demo import DEMO_ROOT, ensure_demo
+        from pipeline.demo import DEMO_ROOT, ensure_demo, regenerate_demo
 
         path = ensure_demo(DEMO_ROOT)
-        print(f"no --config: using the embedded default {path}")
+        print(f"no --config: using the embedded default {path} (its source: the target's own answers, "
+              "regenerated first)")
+        regenerate_demo(path.parent)
         cfg = load_config(path, ExtractConfig)
     m = run_extract(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
     t = m.totals
@@ -478,7 +496,14 @@ def _add_data_commands(sub) -> None:
 
 
 def _add_job_commands(sub) -> None:
-    """The pipeline's jobs: extract, train, export, validate."""
+    """The pipeline's jobs: regenerate, extract, train, export, validate."""
+    s = sub.add_parser("regenerate", help="replace the conversations' assistant turns with the target's own "
+                       "responses, to train the draft on what it will be asked to predict (runs on Ray)")
+    s.add_argument("--config", required=True, help="regeneration YAML (schemas/regenerate.py)")
+    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-ray", action="store_true", help="one engine in this process")
+    s.set_defaults(func=cmd_regenerate)
+
     s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
     s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")

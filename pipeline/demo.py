@@ -14,11 +14,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from pipeline import acceptance as accept_def
 from pipeline import conventions
-from pipeline.draft.model import acceptance_length
+from pipeline.acceptance import acceptance_length
 from pipeline.extract.job import run_extract
 from pipeline.identity import target_identity
 from pipeline.pretrain import RECORD, trained_tiny_target
+from pipeline.regenerate.job import run_regenerate
 from pipeline.registry.registry import Registry
 from pipeline.registry.store import LocalStore
 from pipeline.tiny import write_conversations
@@ -30,13 +32,14 @@ from schemas.artifact import ARTIFACT_CONFIG, ARTIFACT_MANIFEST, DraftArtifactMa
 from schemas.capture import CapturePoint
 from schemas.config import load_config
 from schemas.extract import ExtractConfig
+from schemas.regenerate import RegenerateConfig, RegenerationRecord
 from schemas.train import TrainConfig
 from schemas.validation import ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
 
 DEMO_ROOT = Path("strata-demo")
-DEMO_VERSION = "2"  # bump when the demo's target or configs change: an older demo directory is moved aside
+DEMO_VERSION = "3"  # bump when the demo's target or configs change: an older demo directory is moved aside
 
 
 def demo_root(root: Path) -> Path:
@@ -85,10 +88,23 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "cpus_per_worker": 1.5,
         }
         train_path.write_text("# Strata training config (embedded default; edit freely)\n" + _yaml(train))
+    regen_path = root / "regenerate.yaml"
+    if not regen_path.exists():
+        regen = {
+            "target": {"path": str(target), "name": "tiny-llama"},
+            "source": {"uri": str(conv)},
+            # The draft is served on the target's own answers: train it on them (greedy, like serving).
+            "output": {"uri": str(root / "regenerated"), "rows_per_unit": 400},
+            "engine": {"name": "vllm" if _has_vllm() else "hf", "dtype": "float32", "max_model_len": 1024},
+            "max_new_tokens": 256,
+            "max_length": 512,
+            "ray": {"num_actors": 1, "cpus_per_actor": 1},
+        }
+        regen_path.write_text("# Strata regeneration config (embedded default; edit freely)\n" + _yaml(regen))
     if not cfg_path.exists():
         cfg = {
             "target": {"path": str(target), "name": "tiny-llama"},
-            "source": {"uri": str(conv)},
+            "source": {"uri": str(root / "regenerated" / "conversations.jsonl")},
             "output": {"uri": str(root / "dataset"), "rows_per_shard": 128},
             # EAGLE-3's aux layers for this depth (r_2, r_{N/2}, r_{N-3}) + what the LM head reads.
             "capture": [str(p) for p in conventions.default_aux_points("vllm", layers)] + ["final:post_norm"],
@@ -99,6 +115,12 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
         }
         cfg_path.write_text("# Strata extraction config (embedded default; edit freely)\n" + _yaml(cfg))
     return cfg_path
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _yaml(obj: dict) -> str:
@@ -123,14 +145,35 @@ def _quiet(log_path: Path):
         try:
             yield story
         finally:
+            _close_engines()  # their shutdown logs land in the log, not after "done"
             sys.stdout, sys.stderr = streams
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
+            _retarget_handlers(f, log_path)
             for fd in saved:
                 os.close(fd)
             story.close()
+
+
+def _close_engines() -> None:
+    """Shut down the engines this process still holds (vLLM's pool closes at exit otherwise)."""
+    if "pipeline.engines.vllm_engine" in sys.modules:
+        sys.modules["pipeline.engines.vllm_engine"].close_all()
+
+
+def _retarget_handlers(closed, log_path: Path) -> None:
+    """Logging handlers created while output went to the log (vLLM binds its handler to the
+    sys.stdout of its import) keep writing there, not to the closed file object."""
+    late = None
+    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(x, logging.Logger))]
+    for lg in loggers:
+        for h in lg.handlers:
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is closed:
+                late = late or open(log_path, "a", buffering=1)  # noqa: SIM115 - lives until exit
+                h.setStream(late)
 
 
 def run_demo(root: Path = DEMO_ROOT, sglang: bool = False) -> int:
@@ -176,7 +219,7 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
         + (f" ({before.artifact_digest[:16]})" if before else ""))
     ok = good.decision == "pass" and bad.decision == "block" and unmoved
     if sglang:
-        ok = _chapter_sglang(root, registry, say) and ok
+        ok = _chapter_sglang(root, registry, say)[0] and ok
     say(f"\nregistry {registry}: `strata registry history production --registry {registry}`")
     return ok
 
@@ -192,9 +235,20 @@ def _chapter_target(root: Path, say) -> Path:
     return cfg_path
 
 
+def regenerate_demo(root: Path) -> RegenerationRecord:
+    """The embedded default's first step: the target's own answers to the demo conversations."""
+    return run_regenerate(load_config(root / "regenerate.yaml", RegenerateConfig))
+
+
 def _chapter_extract(cfg_path: Path, say) -> None:
     t = time.perf_counter()
-    say("\n== 1/5 extract: hidden states with per-tensor provenance -> Parquet (Ray capture actors, local Ray)")
+    say("\n== 1/5 regenerate + extract: the target's own answers (what the draft will be asked to predict), then "
+        "hidden states with per-tensor provenance -> Parquet (Ray actors, local Ray)")
+    rec = regenerate_demo(cfg_path.parent)
+    tt = rec.totals
+    say(f"   regenerated {tt['written']} conversations ({tt['turns']} answers, {tt['generated_tokens']} tokens) with "
+        f"{rec.engine['name']} {rec.engine['version']}, greedy  [{time.perf_counter() - t:.0f} s]")
+    t = time.perf_counter()
     m = run_extract(load_config(cfg_path, ExtractConfig))
     say(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
         f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} probe samples held out  "
@@ -209,8 +263,8 @@ def _chapter_train(root: Path, say) -> Path:
     say(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
     if "mean_acceptance_length" in held:
         predicted = acceptance_length(held["predicted_accepted_per_step"] or 0)
-        say(f"   held-out prompts: mean acceptance length {held['mean_acceptance_length']:.2f} "
-            f"(accuracy predicts {predicted:.2f})  [{time.perf_counter() - t:.0f} s]")
+        say(f"   held-out prompts: {accept_def.line(held)}")
+        say(f"   (teacher-forced accuracy predicts {predicted:.2f})  [{time.perf_counter() - t:.0f} s]")
     return root / "run" / "export" / "vllm"
 
 
@@ -247,10 +301,12 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
     return r
 
 
-def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> bool:
+def _chapter_sglang(root: Path, registry: Path, say, engine=None
+                    ) -> tuple[bool, dict[str, ValidationReport]]:
     """The incident's engine: the same draft served by SGLang, first as exported, then with the
     vLLM export's ids copied into SGLang's nested key -- one list, two tools, other tensors.
-    ``engine``: an SGLang replay engine already open for the target (kept open)."""
+    ``engine``: an SGLang replay engine already open for the target (kept open). Returns whether
+    the export passed and the copy was blocked, and both reports."""
     from pipeline.engines.sglang_server import find_install
     from pipeline.validate.replay import open_replay_engine
 
@@ -260,7 +316,7 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> bool:
         "the feed measured at the draft's fc")
     if inst is None:
         say("   SGLang is not installed: `bash infra/sglang/setup-sglang-cpu.sh .venv-sglang ../shared/vendor`")
-        return False
+        return False, {}
     art, vllm_art = root / "run" / "export" / "sglang", root / "run" / "export" / "vllm"
     cfg = json.loads((art / ARTIFACT_CONFIG).read_text())
     copied = json.loads((vllm_art / ARTIFACT_CONFIG).read_text())[conventions.AUX_KEY]
@@ -291,7 +347,7 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> bool:
         if owned:
             engine.close()
     say(f"   [{time.perf_counter() - t:.0f} s]")
-    return good.decision == "pass" and bad.decision == "block"
+    return good.decision == "pass" and bad.decision == "block", {"as exported": good, "vllm ids copied": bad}
 
 
 def _say_verdict(say, r) -> None:

@@ -99,6 +99,17 @@ def text_config(target_cfg: dict) -> dict:
     return target_cfg.get("text_config") or target_cfg
 
 
+def stop_token_ids(model_dir: str | Path) -> frozenset[int]:
+    """The target's end-of-turn tokens, where generation stops (as vLLM and SGLang read them):
+    ``generation_config.json``'s ``eos_token_id``, else ``config.json``'s."""
+    gen = Path(model_dir) / "generation_config.json"
+    for cfg in ([json.loads(gen.read_text())] if gen.exists() else []) + [text_config(target_config(model_dir))]:
+        eos = cfg.get("eos_token_id")
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
 def target_identity(model_dir: str | Path, name: str | None = None, revision: str | None = None) -> TargetIdentity:
     root = Path(model_dir)
     cfg_path = root / "config.json"

@@ -20,6 +20,8 @@ class SourceInfo(BaseModel):
     sha256: str
     rows: int
     format: str
+    # the target's own responses (``strata regenerate``): its record -- target, engine, sampling
+    regeneration: dict | None = None
 
 
 class ShardRecord(BaseModel):

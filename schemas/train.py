@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 
+from schemas import acceptance
 from schemas.capture import CapturePoint, parse_points
 from schemas.config import S3Config, Strict, TargetConfig
 from schemas.provenance import DType, TrainDType
@@ -38,12 +39,13 @@ class ExportConfig(Strict):
 
 
 class HeldoutAcceptanceConfig(Strict):
-    """Acceptance of the finished draft on held-out prompts (prefixes of the dataset's probe
-    samples, never trained on), by Strata's reference speculative decoding on the target."""
+    """Acceptance of the finished draft on held-out prompts (the dataset's probe samples up to
+    their first assistant turn, never trained on), by Strata's reference speculative decoding on
+    the target -- with validation's defaults (``schemas.acceptance``)."""
 
-    prompts: int = Field(6, ge=0, description="0 skips the measurement (it loads the target once)")
-    speculative_tokens: int = Field(3, ge=1)
-    max_new_tokens: int = Field(32, ge=1)
+    prompts: int = Field(acceptance.PROMPTS, ge=0, description="0 skips the measurement (it loads the target once)")
+    speculative_tokens: int = Field(acceptance.SPECULATIVE_TOKENS, ge=1)
+    max_new_tokens: int = Field(acceptance.MAX_NEW_TOKENS, ge=1)
 
 
 class TrainConfig(Strict):

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from schemas import acceptance
 from schemas.capture import CapturePoint, parse_points
 from schemas.config import S3Config, TargetConfig
 from schemas.provenance import DType
@@ -107,12 +108,13 @@ class ValidateConfig(BaseModel):
     artifact: str = Field(description="exported draft directory (with strata_artifact.json + fingerprints)")
     serving: ServingConfig
     tolerances: Tolerances = Tolerances()
-    acceptance_prompts: int = Field(6, ge=0)
-    speculative_tokens: int = Field(3, ge=1)
-    max_new_tokens: int = Field(16, ge=1)
+    # one protocol with training's held-out measurement and the cost table (schemas.acceptance)
+    acceptance_prompts: int = Field(acceptance.PROMPTS, ge=0)
+    speculative_tokens: int = Field(acceptance.SPECULATIVE_TOKENS, ge=1)
+    max_new_tokens: int = Field(acceptance.MAX_NEW_TOKENS, ge=1, description="the cap per prompt; generation "
+                                "stops at the target's end of turn")
     cost: bool = Field(True, description="when the gate blocks and the engine runs here, time the target alone, "
                        "the draft as configured and the draft with the correct ids on the same prompts (report only)")
-    cost_max_new_tokens: int = Field(64, ge=8, description="tokens generated per prompt for the cost table's timing")
     report_dir: str | None = Field(None, description="where report.md, report.json, heatmap.png go")
     registry: str | None = Field(None, description="record the verdict in this registry (local dir or s3://)")
     s3: S3Config = S3Config()

@@ -52,6 +52,12 @@ def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_r
     assert held["mean_acceptance_length"] > 1.2, held
 
 
+def _agree(a: dict, b: dict, z: float = 3.0) -> None:
+    """Two measurements of one mean acceptance length agree within z combined standard errors."""
+    se = (a["se"] ** 2 + b["se"] ** 2) ** 0.5
+    assert se > 0 and abs(a["mean_acceptance_length"] - b["mean_acceptance_length"]) <= z * se, (a, b)
+
+
 def validate(run, target, tmp_path, ids=None, **kw):
     art = run / "export" / "vllm"
     cfg = json.loads((art / "config.json").read_text())
@@ -60,8 +66,7 @@ def validate(run, target, tmp_path, ids=None, **kw):
     p = tmp_path / f"config-{len(list(tmp_path.iterdir()))}.json"
     p.write_text(json.dumps(cfg))
     return run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": 6, "max_new_tokens": 16, "speculative_tokens": 3,
-        "cost_max_new_tokens": 32, "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32",
+        "artifact": str(art), "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32",
                                                "max_model_len": 512, "target": {"path": str(target)},
                                                "draft_config": str(p)}, **kw}))
 
@@ -76,6 +81,15 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     ok = validate(pretrained_run, pretrained_target, tmp_path, registry=str(registry))
     assert ok.decision == "pass", ok.reasons
     assert ok.cost is None                                   # never for a passing configuration
+    # One definition of acceptance (pipeline.acceptance), one protocol (schemas.acceptance): vLLM's
+    # counters, the reference decoding and training's held-out measurement of this draft and this
+    # (correct) configuration agree within their noise.
+    served, ref = ok.acceptance, ok.acceptance["reference"]
+    held = json.loads((pretrained_run / "final_metrics.json").read_text())["heldout_acceptance"]
+    assert served["prompts"] == ref["prompts"] == held["prompts"] == 8 and held["max_new_tokens"] == 32
+    for other in (ref, held):
+        _agree(served, other)
+    assert ref["verify_steps"] == held["verify_steps"]     # the same decoding, at training and here
     reg = Registry(LocalStore(registry))
     # The channel deploys the passing configuration; promote, then validate the incident's config.
     good_cfg = tmp_path / "validate-good.yaml"
@@ -101,19 +115,32 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
         assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                                                                rel=1e-2)
     for r in (written, fixed):
-        assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["new_tokens"] == 6 * 32
+        assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["mean_acceptance_length_se"] > 0
+        assert r["decode_tokens_per_s_se"] > 0
+    # Generations stop at the end of the assistant turn, as served (a cap of 32 tokens otherwise).
+    assert 0 < base["ended_turn"] <= 8 and base["new_tokens"] < 8 * 32
+    # The correct-ids row is the passing configuration: the same measurement as validation's.
+    _agree(served, {"mean_acceptance_length": fixed["mean_acceptance_length"], "se": fixed["mean_acceptance_length_se"]})
     assert bad.cost["note"].startswith("measured for this report only")
     # Nothing moved the channel, and no draft loaded for the table is still being served.
     assert reg.pointer("production")[0] == before and len(reg.history("production")) == history
     loaded = [k[1] for k in vllm_engine.running("eagle3")]
     assert not [k for k in loaded if "strata-cost-" in k or "strata-served-draft-" in k], loaded
 
-    # The text report carries the table; --no-cost (cost: false) leaves it out.
-    from pipeline.validate.report import summary
+    # The text report carries the table, and one line per acceptance measurement; the Markdown
+    # report one table row per measurement (cost: false leaving the table out is
+    # test_vllm_engine's wrong-config case).
+    from pipeline.validate.report import acceptance_table, summary
 
     text = "\n".join(summary(bad))
     assert "what this configuration would cost" in text and "draft, correct ids" in text
-    assert validate(pretrained_run, pretrained_target, tmp_path, ids=[0, 2, 6], cost=False).cost is None
+    lines = [x for x in summary(ok) if x.lstrip().startswith("acceptance, ")]
+    assert len(lines) == 3 and all("mean acceptance length" in x and " +- " in x for x in lines), lines
+    table = acceptance_table(ok.acceptance)
+    assert table[0].startswith("| configuration | measured by | prompts | verify steps | mean length +- SE")
+    assert [r.split(" | ")[0] for r in table[2:5]] == ["| served as configured",
+                                                       "| reference decoding, the points the engine feeds",
+                                                       "| at training, held-out prompts"]
 
 
 def test_no_cost_flag_parses():

@@ -39,3 +39,22 @@ def test_an_older_demo_directory_is_moved_aside_not_mixed_in(tmp_path):
     (root / "extract.yaml").write_text("x")
     demo_root(root)                                                     # same version: kept
     assert (root / "extract.yaml").exists()
+
+
+def test_a_handler_bound_inside_the_quiet_block_keeps_writing_to_the_log(tmp_path, capfd):
+    """vLLM binds its log handler to the sys.stdout of its import (inside the demo's quiet block):
+    its shutdown messages at exit go to the log, not "--- Logging error ---" on a closed file."""
+    import logging
+
+    log = tmp_path / "demo.log"
+    late = logging.getLogger("strata-test-late")
+    late.propagate = False
+    with _quiet(log):
+        late.addHandler(logging.StreamHandler(sys.stdout))
+    try:
+        late.warning("engine shutdown chatter")
+        out, err = capfd.readouterr()
+        assert "Logging error" not in err and "chatter" not in out + err
+        assert "engine shutdown chatter" in log.read_text()
+    finally:
+        late.handlers.clear()

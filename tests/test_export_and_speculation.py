@@ -112,7 +112,40 @@ def test_reference_speculation_is_lossless(tiny_target):
     assert res.tokens == ref
     # The counts reconcile with the tokens: each verify step emits its accepted drafts and one
     # target token (the last step's may be cut by max_new_tokens), plus prefill's first token.
-    emitted = res.verify_steps + res.accepted_tokens
-    assert res.verify_steps > 0 and emitted <= len(res.tokens) <= emitted + 1
+    emitted = 1 + res.verify_steps + res.accepted_tokens
+    assert res.verify_steps > 0 and 0 <= emitted - len(res.tokens) <= 3
     # Chain speculation: draft position j is accepted only after position j-1 was.
     assert res.accepted_per_pos == sorted(res.accepted_per_pos, reverse=True)
+
+
+@pytest.mark.parametrize("budget, stop_at, steps, per_pos", [
+    (10, None, 3, [3, 3, 3]),   # prefill 1 + 4 + 4, then a step accepting 3 of which 1 fits the budget
+    (40, 5, 2, [2, 2, 2]),      # prefill 1 + 4, then a step accepting 3 whose first ends the turn
+])
+def test_a_verify_step_is_counted_whole_where_the_text_stops_inside_it(tiny_target, monkeypatch, budget, stop_at,
+                                                                        steps, per_pos):
+    """pipeline.acceptance counts each verify step whole, as vLLM's and SGLang's counters do; the
+    emitted text still stops at the end of turn or the budget. An oracle draft (proposing the
+    target's own greedy tokens) makes every count known."""
+    from pipeline.draft import speculate
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    prompt = [1, 40, 41, 42, 43]
+    ref = greedy_generate(target, prompt, 40)
+    stop = frozenset()
+    if stop_at is not None:  # the first position whose token did not occur before it
+        stop_at = next(i for i in range(stop_at, 40) if ref[i] not in ref[:i])
+        # ref[0] comes with the prefill, then every step emits 4 (3 accepted + the target's)
+        stop, steps = frozenset([ref[stop_at]]), (stop_at - 1) // 4 + 1
+        per_pos = [steps] * 3
+        assert greedy_generate(target, prompt, 40, stop) == ref[: stop_at + 1]
+
+    def oracle(draft, aux, next_tokens, k):
+        done = next_tokens.shape[1] + 1 - len(prompt)
+        return (ref + [0] * k)[done: done + k]
+
+    monkeypatch.setattr(speculate, "draft_chain", oracle)
+    runner = TargetRunner(target, [C.layer_output(1)])
+    res = speculative_generate(runner, None, prompt, budget, 3, stop)
+    assert res.tokens == (ref[:budget] if stop_at is None else ref[: stop_at + 1])
+    assert (res.verify_steps, res.accepted_per_pos) == (steps, per_pos)

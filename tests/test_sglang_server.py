@@ -234,10 +234,28 @@ def _assert_measured(report, want: list[int]):
     assert report.feed["disagreements"] == [], report.feed["disagreements"]
 
 
-def test_llama_correct_ids_pass_on_the_measured_feed(llama):
+@pytest.fixture(scope="module")
+def chapter(llama, tmp_path_factory):
+    """``strata demo --sglang``'s chapter, run once on a demo directory holding the llama target and
+    its draft: the SGLang export as exported (the correct ids) and the vLLM export's ids copied into
+    SGLang's nested key (every id +1 in SGLang's labelling). Its reports serve the tests below."""
+    from pipeline.demo import _chapter_sglang
+
+    root = tmp_path_factory.mktemp("sglang-chapter")
+    (root / "run").mkdir()
+    (root / "target").symlink_to(llama.dir)
+    (root / "run" / "export").symlink_to(llama.art.parent)
+    lines: list[str] = []
+    ok, reports = _chapter_sglang(root, root / "registry", lines.append, engine=llama.engine)
+    return root, ok, reports, "\n".join(lines)
+
+
+def test_llama_correct_ids_pass_on_the_measured_feed(llama, chapter):
+    from schemas import acceptance as protocol
+
     cfg = json.loads((llama.art / "config.json").read_text())
     assert cfg["eagle_config"][AUX_KEY] == [1, 3, 5]  # o-labels for SGLang's llama.py: it captures id + 1
-    r = llama.validate()
+    r = chapter[2]["as exported"]
     assert r.decision == "pass", r.reasons
     _assert_measured(r, [2, 4, 6])
     assert max(r.feed["vs_training_rel_l2"]) < 0.03  # bf16 serving vs the fp32 training values
@@ -251,20 +269,20 @@ def test_llama_correct_ids_pass_on_the_measured_feed(llama):
     # acceptance_from_meta, which raises otherwise): the prefill's token, then accepted + 1 per
     # verify step, the last step possibly past max_new_tokens; the histogram adds up.
     acc = r.acceptance
-    cfg = llama.cfg()
     steps, drafts = acc["verify_steps"], round(acc["accepted_per_step"] * acc["verify_steps"])
-    prompts, k = cfg.acceptance_prompts, cfg.speculative_tokens
-    assert 0 < acc["emitted_tokens"] <= prompts * cfg.max_new_tokens
+    prompts, k = acc["prompts"], protocol.SPECULATIVE_TOKENS
+    assert prompts == 4  # the probe samples _train_draft's dataset holds (fewer than the protocol's 8)
+    assert 0 < acc["emitted_tokens"] <= prompts * protocol.MAX_NEW_TOKENS
     assert 0 <= prompts + steps + drafts - acc["emitted_tokens"] <= prompts * k
     per_pos = acc["acceptance_per_pos"]
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
     assert sum(per_pos) == pytest.approx(acc["accepted_per_step"])
     assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted_per_step"])
+    assert acc["se"] is not None  # per request: SGLang's counters give the standard error over prompts
     assert acc["lossless"] or "lossless_note" in acc  # reported; gated only at fp32, which SGLang's CPU path lacks
 
 
-@pytest.mark.parametrize("name, ids, fed", [
-    ("every id +1", [2, 4, 6], [3, 5, 7]),
+@pytest.mark.parametrize("name, ids, fed", [  # every id +1: the demo chapter's copied ids (below)
     ("every id -1", [0, 2, 4], [1, 3, 5]),
     ("the nested key missing: SGLang's default loop indices (2, N//2, N-3)", None, [2, 4, 5]),
 ])
@@ -343,25 +361,26 @@ def test_gpu_sglang_with_cuda_graphs_measures_the_feed_and_says_how_many_verify_
     assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == [], r.feed
 
 
-def test_the_demo_chapter_blocks_the_incident_on_sglang(llama, tmp_path):
-    """``strata demo --sglang``'s chapter on a demo directory holding this target and draft: the
-    SGLang export passes, the vLLM export's ids copied into SGLang's nested key are blocked by the
-    measured feed, and both verdicts land in the registry."""
-    from pipeline.demo import _chapter_sglang
+def test_the_demo_chapter_blocks_the_incident_on_sglang(llama, chapter):
+    """The SGLang export passes; the vLLM export's ids copied into SGLang's nested key -- every id
+    +1 in SGLang's labelling -- are blocked by the measured feed, with the fix; both verdicts land
+    in the registry."""
     from pipeline.registry.registry import Registry
     from pipeline.registry.store import LocalStore
 
-    (tmp_path / "run").mkdir()
-    (tmp_path / "target").symlink_to(llama.dir)
-    (tmp_path / "run" / "export").symlink_to(llama.art.parent)
-    lines: list[str] = []
-    assert _chapter_sglang(tmp_path, tmp_path / "registry", lines.append, engine=llama.engine), "\n".join(lines)
-    text = "\n".join(lines)
+    root, ok, reports, text = chapter
+    assert ok, text
     assert "PASS" in text and "BLOCK" in text and "shifted by +1" in text, text
-    copied = json.loads((tmp_path / "misconfigured-sglang-config.json").read_text())["eagle_config"][AUX_KEY]
+    copied = json.loads((root / "misconfigured-sglang-config.json").read_text())["eagle_config"][AUX_KEY]
     assert copied == json.loads((llama.art.parent / "vllm" / "config.json").read_text())[AUX_KEY] == [2, 4, 6]
+    bad = reports["vllm ids copied"]
+    assert bad.decision == "block"
+    _assert_measured(bad, [3, 5, 7])
+    wrong = [s for s in bad.slots if not s.ok]
+    assert wrong and all("is fed" in s.message for s in wrong), [s.message for s in wrong]
+    assert any("eagle_config.eagle_aux_hidden_state_layer_ids" in x and "[1, 3, 5]" in x for x in bad.reasons)
     digest = json.loads((llama.art / "strata_artifact.json").read_text())["content_digest"]
-    records = [r for r, _ in Registry(LocalStore(tmp_path / "registry")).all_records(digest)]
+    records = [r for r, _ in Registry(LocalStore(root / "registry")).all_records(digest)]
     assert sorted(r.decision for r in records) == ["block", "pass"]
 
 

@@ -219,7 +219,7 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
     shutil.copytree(run_dir / "export" / "vllm", art)
     m = json.loads((art / "strata_artifact.json").read_text())
     m["metrics"]["heldout_acceptance"].update(acceptance_per_pos=[0.99, 0.98, 0.97], accepted_per_step=2.94,
-                                               mean_acceptance_length=3.94, verify_steps=600, k=3)
+                                               mean_acceptance_length=3.94, verify_steps=600, k=3, se=0.05)
     (art / "strata_artifact.json").write_text(json.dumps(m))
     # Six prompts of 32 tokens: enough verify steps that the noise allowance leaves room to judge.
     r = run_validate(ValidateConfig.model_validate({

@@ -95,6 +95,17 @@ class ChatEncoder:
             offsets += [(x + a, y + a) for x, y in enc["offset_mapping"]]
         return ids, offsets
 
+    def encode_prompt(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` followed by the template's generation prompt: what the target
+        is asked to continue for the next assistant turn."""
+        return self._tokenize(self.render(messages, add_generation_prompt=True), messages)[0]
+
+    def decode_response(self, tokens: list[int], stop_ids: frozenset[int]) -> str:
+        """A generated turn as message content: up to the end-of-turn token, control tokens dropped
+        (content is text; the template adds the markup)."""
+        end = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+        return self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+
     def encode(self, messages: list[dict]) -> Encoded:
         text, spans = self.assistant_spans(messages)
         ids, offsets = self._tokenize(text, messages)

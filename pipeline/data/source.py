@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,7 +16,10 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.data.conversations import UNREADABLE
-from pipeline.store.fs import resolve
+from pipeline.store.fs import exists, join, read_bytes, resolve
+from schemas.regenerate import CONVERSATIONS_FILE, RECORD_FILE, RegenerationRecord
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,20 @@ def _parquet_rows(uri: str, blob: bytes) -> list[RawRow]:
 def _iter_rows(table) -> Iterator[dict]:
     for batch in table.to_batches(max_chunksize=4096):
         yield from batch.to_pylist()
+
+
+def regeneration_of(source_uri: str, source_sha256: str, s3=None) -> dict | None:
+    """The provenance of a regenerated source: ``regeneration.json`` beside it, if it vouches for
+    exactly these bytes (a file edited after regeneration is not the target's output)."""
+    if not source_uri.endswith("/" + CONVERSATIONS_FILE) and source_uri != CONVERSATIONS_FILE:
+        return None
+    base = source_uri[: -len(CONVERSATIONS_FILE)].rstrip("/") or "."
+    fs, root = resolve(base, s3)
+    if not exists(fs, join(root, RECORD_FILE)):
+        return None
+    rec = RegenerationRecord.model_validate_json(read_bytes(fs, join(root, RECORD_FILE)))
+    if rec.output_sha256 != source_sha256:
+        log.warning("%s: %s does not describe this file (it changed after regeneration); not recorded as "
+                    "regenerated", source_uri, RECORD_FILE)
+        return None
+    return rec.model_dump(mode="json", exclude={"quarantine"})

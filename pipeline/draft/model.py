@@ -259,11 +259,6 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]
 
 
-def acceptance_length(accepted_per_step: float) -> float:
-    """Mean acceptance length: a verify step emits the accepted drafts plus one target token."""
-    return 1.0 + accepted_per_step
-
-
 def simulated_acceptance_length(acc: list[float]) -> float:
     """sum_k prod_{i<=k} acc_i: expected accepted draft tokens per step under chain speculation."""
     total, prod = 0.0, 1.0

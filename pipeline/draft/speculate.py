@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.acceptance import acceptance_length
 from pipeline.conventions.hf_hooks import decoder_parts, hook_capture_point
-from pipeline.draft.model import Eagle3Draft, acceptance_length, draft_to_target, shift
+from pipeline.draft.model import Eagle3Draft, draft_to_target, shift
 from schemas.capture import CapturePoint
 
 
@@ -85,43 +86,45 @@ def draft_chain(draft: Eagle3Draft, aux: torch.Tensor, next_tokens: torch.Tensor
 @torch.no_grad()
 def speculative_generate(
     runner: TargetRunner, draft: Eagle3Draft, prompt: list[int], max_new_tokens: int, k: int,
-    eos_id: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> SpecResult:
+    """Greedy chain speculation until a stop token or ``max_new_tokens``. Every verify step is
+    counted whole (``pipeline.acceptance``): its accepted prefix is scored even where the emitted
+    text is cut inside it, as the serving engines' counters do."""
     res = SpecResult(tokens=[], k=k, accepted_per_pos=[0] * k)
     ids = torch.tensor(prompt, dtype=torch.long)
     greedy, aux = runner(ids)
-    while len(res.tokens) < max_new_tokens:
+    while True:
         nxt = int(greedy[-1])                     # the target's token: always correct
         res.tokens.append(nxt)
         ids = torch.cat([ids, torch.tensor([nxt])])
-        if nxt == eos_id or len(res.tokens) >= max_new_tokens:
-            break
+        if nxt in stop_ids or len(res.tokens) >= max_new_tokens:
+            return res
         proposal = draft_chain(draft, aux, ids[1:][None], k)
         greedy_v, aux_v = runner(torch.cat([ids, torch.tensor(proposal)]))
         res.verify_steps += 1
         L = ids.numel()
         accepted = 0
-        for j, tok in enumerate(proposal):
-            if int(greedy_v[L - 1 + j]) != tok or len(res.tokens) >= max_new_tokens:
-                break
-            res.accepted_per_pos[j] += 1
-            res.tokens.append(tok)
+        while accepted < k and int(greedy_v[L - 1 + accepted]) == proposal[accepted]:
+            res.accepted_per_pos[accepted] += 1
             accepted += 1
-            if tok == eos_id:
+        for tok in proposal[:accepted]:           # emitted up to the stop token or the budget
+            res.tokens.append(tok)
+            if tok in stop_ids or len(res.tokens) >= max_new_tokens:
                 return res
         ids = torch.cat([ids, torch.tensor(proposal[:accepted], dtype=torch.long)])
         greedy, aux = greedy_v[: ids.numel()], aux_v[:, : ids.numel()]
-    return res
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()
+                    ) -> list[int]:
     ids = torch.tensor(prompt, dtype=torch.long)
     out: list[int] = []
     for _ in range(max_new_tokens):
         nxt = int(model(input_ids=ids[None], use_cache=False).logits[0, -1].argmax())
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([nxt])])
-        if nxt == eos_id:
+        if nxt in stop_ids:
             break
     return out

@@ -10,6 +10,7 @@ dispatch through this interface, never on an engine's name.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -18,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.draft.model import acceptance_length
 from pipeline.dtypes import torch_dtype
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.engines.feed_files import FeedCall
@@ -53,37 +53,57 @@ class ServeResult:
 class DecodeTiming:
     """Single-stream decoding of some prompts, timed: what a user of the deployment waits for.
 
-    Each prompt runs alone twice -- once for one token (prefill) and once for the whole
-    continuation of a fixed length -- so decode time = whole - prefill, and decode tokens/s
-    excludes prefill.
-    ``acceptance`` is None without a draft.
+    Each prompt runs alone twice -- once for one token (prefill) and once for its whole
+    continuation, stopped at the end of the turn as served -- so a prompt's decode time =
+    whole - prefill, and decode tokens/s (every token after the first, which comes with the
+    prefill) excludes prefill. ``acceptance`` is None without a draft.
     """
 
     outputs: list[list[int]]
-    new_tokens: int
-    prefill_s: float
-    total_s: float
+    prefill_s: list[float]   # per prompt
+    total_s: list[float]     # per prompt: the whole continuation's request
     acceptance: dict | None
 
     @property
+    def new_tokens(self) -> int:
+        return sum(map(len, self.outputs))
+
+    def _decode(self) -> list[tuple[int, float]]:
+        return [(len(o) - 1, max(t - p, 1e-9)) for o, p, t in zip(self.outputs, self.prefill_s, self.total_s,
+                                                                     strict=True)]
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        decode_tokens = self.new_tokens - len(self.outputs)  # the first token of each comes with prefill
-        return decode_tokens / max(self.total_s - self.prefill_s, 1e-9)
+        d = self._decode()
+        return sum(n for n, _ in d) / max(sum(s for _, s in d), 1e-9)
+
+    @property
+    def decode_tokens_per_s_se(self) -> float | None:
+        """SE of the token-weighted rate with prompts as the units (ratio estimator); None with
+        fewer than two prompts."""
+        d = self._decode()
+        if len(d) < 2:
+            return None
+        r, secs = self.decode_tokens_per_s, sum(s for _, s in d)
+        return math.sqrt(len(d) / (len(d) - 1) * sum((n - r * s) ** 2 for n, s in d)) / secs
 
 
-def time_decode(generate, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], int, float, float]:
-    """(outputs, new tokens, prefill seconds, total seconds) of ``generate([prompt], n)`` per prompt.
+def time_decode(generate, prompts: list[list[int]], max_new_tokens: int, after_each=None
+                ) -> tuple[list[list[int]], list[float], list[float]]:
+    """(outputs, prefill seconds, whole-request seconds) of ``generate([prompt], n)`` per prompt;
+    ``after_each()`` runs between prompts, outside the timed spans (e.g. to read counters).
     Warm the engine up first: the first request pays one-off costs."""
-    import time
-
-    outs, prefill, total = [], 0.0, 0.0
+    outs, prefill, total = [], [], []
     for p in prompts:
         t0 = time.perf_counter()
         generate([p], 1)
         t1 = time.perf_counter()
         outs.append(generate([p], max_new_tokens)[0])
-        prefill, total = prefill + (t1 - t0), total + (time.perf_counter() - t1)
-    return outs, sum(map(len, outs)), prefill, total
+        prefill.append(t1 - t0)
+        total.append(time.perf_counter() - t1)
+        if after_each is not None:
+            after_each()
+    return outs, prefill, total
 
 
 class TargetEngine(ABC):
@@ -135,18 +155,6 @@ class TargetEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the model and every process or file the engine started."""
-
-
-def acceptance(measured_by: str, k: int, verify_steps: int, accepted_per_pos: list[int] | None,
-               accepted: int | None = None, **extra) -> dict:
-    """The acceptance summary every engine reports: a verify step emits the accepted drafts plus
-    one target token, so mean acceptance length = 1 + accepted / steps."""
-    steps = max(verify_steps, 1)
-    accepted = sum(accepted_per_pos) if accepted is None else accepted
-    return {"measured_by": measured_by, "verify_steps": verify_steps, "accepted_per_step": accepted / steps,
-            "mean_acceptance_length": acceptance_length(accepted / steps), "k": k,
-            "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
-            **extra}
 
 
 def captured_batch(capture_tensors, sequences: list[list[int]], dtype: str) -> CapturedBatch:

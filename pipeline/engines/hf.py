@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from pipeline.acceptance import PromptCounts, from_prompts
 from pipeline.conventions.hf_hooks import decoder_parts, hook_capture_point
 from pipeline.draft.export import load_draft
 from pipeline.draft.speculate import TargetRunner, greedy_generate, speculative_generate
@@ -24,10 +25,10 @@ from pipeline.engines.base import (
     CapturedBatch,
     ServeResult,
     TargetEngine,
-    acceptance,
     captured_batch,
 )
 from pipeline.engines.refs import hf_engine_ref
+from pipeline.identity import stop_token_ids
 from pipeline.packing import pack_by_tokens, packed_forward
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
@@ -139,7 +140,13 @@ class HFEngine(TargetEngine):
         return out
 
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return [greedy_generate(self.model, p, max_new_tokens) for p in prompts]
+        return [greedy_generate(self.model, p, max_new_tokens, self.stop_ids) for p in prompts]
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The target's end-of-turn tokens (generation config, else model config), where vLLM
+        and SGLang stop too."""
+        return stop_token_ids(self.model_dir)
 
     def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
         """Strata's reference speculative decoding; HF has no reading rules, so it feeds ``feed_points``."""
@@ -148,17 +155,14 @@ class HFEngine(TargetEngine):
         draft = load_draft(draft_dir, self.model_dir, dtype=torch_dtype(self.dtype))
         runner = TargetRunner(self.model, feed_points)
         try:
-            per_pos, steps, outs = [0] * k, 0, []
-            for p in prompts:
-                res = speculative_generate(runner, draft, p, max_new_tokens, k)
-                outs.append(res.tokens)
-                steps += res.verify_steps
-                per_pos = [a + b for a, b in zip(per_pos, res.accepted_per_pos, strict=True)]
+            runs = [speculative_generate(runner, draft, p, max_new_tokens, k, self.stop_ids) for p in prompts]
         finally:
             runner.close()
-        return ServeResult(outs, acceptance("reference (HF target + Strata draft)", k, steps, per_pos), None)
+        counts = [PromptCounts(r.verify_steps, tuple(r.accepted_per_pos)) for r in runs]
+        return ServeResult([r.tokens for r in runs], from_prompts("reference (HF target + Strata draft)", k, counts), None)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+

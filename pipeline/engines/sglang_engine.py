@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
+from pipeline.acceptance import PromptCounts, from_prompts, summary
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
-from pipeline.engines.base import ServeResult, TargetEngine, acceptance
+from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineError
 from pipeline.engines.feed_files import FeedCall, take_calls
 from pipeline.engines.refs import sglang_engine_ref, sglang_release
@@ -56,8 +57,7 @@ def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: in
     acceptance length here is 1 + accepted / steps, as vLLM's counters give it. Counters that do
     not reconcile are an error, not a number.
     """
-    steps = accepted = 0
-    hist = [0] * (k + 1)
+    counts: list[PromptCounts | None] = []
     for i, (m, out) in enumerate(zip(meta_infos, outputs, strict=True)):
         v, a, c = int(m.get("spec_verify_ct", 0)), int(m.get("spec_num_correct_drafts", 0)), int(m["completion_tokens"])
         if v == 0:
@@ -66,19 +66,19 @@ def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: in
             raise EngineError(f"SGLang's counters for request {i} do not reconcile: {len(out)} tokens emitted, "
                               f"completion_tokens {c}, 1 + spec_verify_ct {v} + spec_num_correct_drafts {a}")
         h = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram")
-        if h is not None:
-            if sum(h) != v or sum(j * x for j, x in enumerate(h)) != a or len(h) > k + 1:
-                raise EngineError(f"SGLang's histogram of accepted drafts for request {i} ({h}) does not add up to "
-                                  f"{v} verify steps and {a} accepted drafts")
-            for j, x in enumerate(h):
-                hist[j] += x
-        steps, accepted = steps + v, accepted + a
-    # accepted at position j (0-based): the steps that accepted more than j drafts
-    per_pos = [sum(hist[j + 1:]) for j in range(k)] if sum(hist) == steps else None
+        if h is not None and (sum(h) != v or sum(j * x for j, x in enumerate(h)) != a or len(h) > k + 1):
+            raise EngineError(f"SGLang's histogram of accepted drafts for request {i} ({h}) does not add up to "
+                              f"{v} verify steps and {a} accepted drafts")
+        # accepted at position j (0-based): the steps that accepted more than j drafts
+        counts.append(PromptCounts(v, tuple(sum(h[j + 1:]) for j in range(k))) if h is not None else None)
     reported = [float(m["spec_accept_length"]) for m in meta_infos if "spec_accept_length" in m]
-    return acceptance("sglang meta_info (spec_verify_ct, spec_num_correct_drafts, histogram)", k, steps, per_pos,
-                      accepted=accepted, emitted_tokens=sum(map(len, outputs)),
-                      sglang_spec_accept_length=sum(reported) / len(reported) if reported else None)
+    extra = {"emitted_tokens": sum(map(len, outputs)),
+             "sglang_spec_accept_length": sum(reported) / len(reported) if reported else None}
+    by = "sglang meta_info (spec_verify_ct, spec_num_correct_drafts, histogram)"
+    if all(c is not None for c in counts):
+        return from_prompts(by, k, counts, **extra)
+    steps = sum(int(m["spec_verify_ct"]) for m in meta_infos)
+    return summary(by, k, steps, None, accepted=sum(int(m["spec_num_correct_drafts"]) for m in meta_infos), **extra)
 
 
 def _sorted_rows(calls: list[FeedCall], length: int, width: int) -> torch.Tensor:

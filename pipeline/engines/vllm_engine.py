@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
+from pipeline.acceptance import PromptCounts, from_prompts
 from pipeline.engines.base import (
     DecodeTiming,
     ServeResult,
     TargetEngine,
-    acceptance,
     time_decode,
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
@@ -81,11 +81,11 @@ def _shutdown(llm) -> None:
         log.debug("vLLM shutdown: %s", e)
 
 
-def _greedy(llm, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False) -> list[list[int]]:
+def _greedy(llm, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
 
     outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                        SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=ignore_eos),
+                        SamplingParams(max_tokens=max_new_tokens, temperature=0.0),
                         use_tqdm=False)
     return [_tokens(o) for o in outs]
 
@@ -185,29 +185,35 @@ class VLLMEngine(TargetEngine):
         the draft config by its own rules)."""
         eng = shared("eagle3", self.model_dir, str(draft_dir), k, dtype=self.dtype, tp_size=self.tp_size,
                      max_model_len=self.max_model_len)
-        tokens, st, calls = eng.generate_recording(prompts, max_new_tokens)
-        acc = acceptance(f"vllm {self.version} spec-decode counters", k, st.num_drafts, st.accepted_per_pos,
-                         accepted=st.num_accepted_tokens, draft_tokens=st.num_draft_tokens)
-        return ServeResult(tokens, acc, calls)
+        tokens, stats, calls = eng.generate_recording(prompts, max_new_tokens)
+        return ServeResult(tokens, self._acceptance(k, stats), calls)
+
+    def _acceptance(self, k: int, stats: list[SpecDecodeStats]) -> dict:
+        """vLLM's counters per prompt, as ``pipeline.acceptance`` defines acceptance."""
+        for i, st in enumerate(stats):
+            if sum(st.accepted_per_pos) != st.num_accepted_tokens:
+                raise EngineError(f"vLLM's spec-decode counters for prompt {i} do not reconcile: "
+                                  f"{st.num_accepted_tokens} accepted tokens, per position {st.accepted_per_pos}")
+        return from_prompts(f"vllm {self.version} spec-decode counters", k,
+                            [PromptCounts(st.num_drafts, tuple(st.accepted_per_pos)) for st in stats],
+                            draft_tokens=sum(st.num_draft_tokens for st in stats))
 
     def timed_decode(self, draft_dir, prompts, max_new_tokens, k) -> DecodeTiming:
         """Timed through a vLLM engine without the capture connector (it would slow the baseline):
-        a plain one for ``draft_dir`` None, else EAGLE-3 with the draft's config as written. Every
-        prompt decodes exactly ``max_new_tokens`` (EOS ignored, as serving benchmarks do); only
-        ``LLM.generate`` is timed, and the spec-decode counters are read around the timed block."""
+        a plain one for ``draft_dir`` None, else EAGLE-3 with the draft's config as written. Each
+        prompt decodes until the end of its turn (or ``max_new_tokens``), as served; only
+        ``LLM.generate`` is timed, and the spec-decode counters are read between prompts."""
         kw = {"dtype": self.dtype, "tp_size": self.tp_size, "max_model_len": self.max_model_len}
         eng = shared("plain", self.model_dir, **kw) if draft_dir is None else \
             shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
         eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
-        before = read_spec_metrics(eng.llm)
-        outs, n, prefill, total = time_decode(lambda ps, m: eng.generate_tokens(ps, m, ignore_eos=True), prompts,
-                                              max_new_tokens)
+        marks = [read_spec_metrics(eng.llm)]
+        outs, prefill, total = time_decode(eng.generate_tokens, prompts, max_new_tokens,
+                                              after_each=lambda: marks.append(read_spec_metrics(eng.llm)))
         if draft_dir is None:
-            return DecodeTiming(outs, n, prefill, total, None)
-        st = spec_stats(before, read_spec_metrics(eng.llm), k)
-        acc = acceptance(f"vllm {self.version} spec-decode counters", k, st.num_drafts, st.accepted_per_pos,
-                         accepted=st.num_accepted_tokens, draft_tokens=st.num_draft_tokens)
-        return DecodeTiming(outs, n, prefill, total, acc)
+            return DecodeTiming(outs, prefill, total, None)
+        stats = [spec_stats(a, b, k) for a, b in zip(marks, marks[1:], strict=False)]
+        return DecodeTiming(outs, prefill, total, self._acceptance(k, stats))
 
     def release_draft(self, draft_dir) -> None:
         release("eagle3", str(draft_dir))
@@ -258,9 +264,19 @@ class VLLMPlain:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], None]:
         return self.generate_tokens(prompts, max_new_tokens), None
 
-    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
-                        ) -> list[list[int]]:
-        return _greedy(self.llm, prompts, max_new_tokens, ignore_eos)
+    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return _greedy(self.llm, prompts, max_new_tokens)
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
+               seeds: list[int]) -> list[list[int]]:
+        """Greedy at temperature 0; else sampled, each prompt with its own seed."""
+        if temperature == 0:
+            return self.generate_tokens(prompts, max_new_tokens)
+        from vllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s) for s in seeds]
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        return [_tokens(o) for o in outs]
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
@@ -290,25 +306,25 @@ class VLLMEagle3:
         outs = self.generate_tokens(prompts, max_new_tokens)
         return outs, spec_stats(before, read_spec_metrics(self.llm), self.k)
 
-    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int, ignore_eos: bool = False
-                        ) -> list[list[int]]:
-        return _greedy(self.llm, prompts, max_new_tokens, ignore_eos)
+    def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return _greedy(self.llm, prompts, max_new_tokens)
 
     def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
-                           ) -> tuple[list[list[int]], SpecDecodeStats, list[list]]:
-        """Like :meth:`generate`, one prompt at a time, with each prompt's recorded draft inputs."""
+                           ) -> tuple[list[list[int]], list[SpecDecodeStats], list[list]]:
+        """Like :meth:`generate`, one prompt at a time: each prompt's tokens, counters and
+        recorded draft inputs."""
         feed_dir = tempfile.mkdtemp(prefix="strata-vllm-feed-")
         try:
             self.llm.collective_rpc("strata_record_feed", args=(feed_dir,))
-            before = read_spec_metrics(self.llm)
-            tokens, calls = [], []
+            tokens, stats, calls = [], [], []
             for p in prompts:
-                out, _ = self.generate([p], max_new_tokens)
+                out, st = self.generate([p], max_new_tokens)
                 self.llm.collective_rpc("strata_feed_sync")
                 tokens.append(out[0])
+                stats.append(st)
                 calls.append(take_calls(feed_dir))
             self.llm.collective_rpc("strata_record_feed", args=("",))
-            return tokens, spec_stats(before, read_spec_metrics(self.llm), self.k), calls
+            return tokens, stats, calls
         finally:
             shutil.rmtree(feed_dir, ignore_errors=True)
 

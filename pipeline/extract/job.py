@@ -17,16 +17,17 @@ import pyarrow as pa
 import pipeline
 from pipeline.cluster import init_ray, require_resources
 from pipeline.conventions import boundary_label, describe_point
-from pipeline.data.source import scan_source
+from pipeline.data.source import regeneration_of, scan_source
 from pipeline.engines import engine_ref
 from pipeline.errors import UnusableInput
 from pipeline.extract import layout
-from pipeline.extract.pool import LocalCapturePool, RayCapturePool
+from pipeline.extract.pool import CapturePool
 from pipeline.identity import target_identity
 from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.store import open_store
 from pipeline.stopwatch import Stopwatch
-from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
+from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.unitpool import committed
 from schemas.dataset import ENCODING, dataset_schema
 from schemas.extract import ExtractConfig
 from schemas.identity import TargetIdentity
@@ -90,25 +91,6 @@ def check_plan(cfg: ExtractConfig, identity: TargetIdentity) -> None:
     if identity.chat_template_sha256 is None:
         raise ExtractionError(f"target {cfg.target.path} has no chat template (chat_template.jinja or "
                               "tokenizer_config.json chat_template): conversations cannot be rendered")
-
-
-def _committed(fs, root: str) -> dict[int, ShardRecord]:
-    """The committed units. Only ``unit-NNNNN.json`` is a commit record: a writer killed while
-    publishing leaves a ``.unit-NNNNN.json.tmp-*`` sibling, which is removed here."""
-    out = {}
-    for path in list_files(fs, join(root, layout.UNITS_DIR)):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith("."):
-            log.info("removing %s: a commit record that was never published", path)
-            fs.delete_file(path)
-            continue
-        try:
-            rec = ShardRecord.model_validate_json(read_bytes(fs, path))
-        except ValueError as e:
-            raise ExtractionError(f"{path}: unreadable commit record ({str(e).splitlines()[0]}); it was not written by "
-                                  "Strata's atomic commit: delete it to re-extract that unit") from None
-        out[rec.unit] = rec
-    return out
 
 
 def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None:
@@ -181,13 +163,13 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     """Extract every uncommitted unit, then publish the manifest (the lease is held)."""
     schema, provs = build_schema(cfg, identity)
     units = layout.plan_units(len(scan.rows), cfg.output.rows_per_shard)
-    done = _committed(fs, root)
+    done = committed(fs, root, layout.UNITS_DIR, ShardRecord, ExtractionError, "re-extract")
     pending = [u for u in units if u.unit not in done]
     log.info(
         "source %s: %d rows in %d units; %d already committed, %d to extract",
         cfg.source.uri, len(scan.rows), len(units), len(done), len(pending),
     )
-    pool = (RayCapturePool if use_ray else LocalCapturePool)(cfg, schema, len(pending))
+    pool = CapturePool(cfg, schema, len(pending), use_ray)
     ok = False
     try:
         if pending:
@@ -196,7 +178,7 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
             with clock("capture"):
                 for rec in pool.run(payload, progress):
                     done[rec.unit] = rec
-        done = _committed(fs, root)
+        done = committed(fs, root, layout.UNITS_DIR, ShardRecord, ExtractionError, "re-extract")
         missing = [u.unit for u in units if u.unit not in done]
         if missing:
             raise RuntimeError(f"units {missing[:10]} were not committed; re-run the job to resume")
@@ -221,7 +203,8 @@ def _publish(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
         columns=provs,
         extraction=json.loads(extraction_json(cfg)),
         software=software_versions(),
-        source=SourceInfo(uri=cfg.source.uri, sha256=scan.sha256, rows=len(scan.rows), format=scan.format),
+        source=SourceInfo(uri=cfg.source.uri, sha256=scan.sha256, rows=len(scan.rows), format=scan.format,
+                          regeneration=regeneration_of(cfg.source.uri, scan.sha256, cfg.s3)),
         shards=shards,
         totals=Totals(
             input_rows=len(scan.rows), rows=sum(s.rows for s in shards), quarantined=sum(s.quarantined for s in shards),

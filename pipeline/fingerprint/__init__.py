@@ -70,6 +70,8 @@ class Fingerprints:
     rms: dict[str, torch.Tensor]        # point -> [sum T]
     digests: dict[str, list[str]]       # point -> sha256 of each sample's raw tensor
     input_ids: torch.Tensor             # [sum T] the probe samples' tokens, for replay
+    # per probe sample, where its first assistant turn starts (None: not known, e.g. older datasets)
+    prompt_lengths: list[int | None] | None = None
 
     def sample(self, point: str, i: int) -> torch.Tensor:
         off = sum(self.lengths[:i])
@@ -80,12 +82,15 @@ class Fingerprints:
         return self.input_ids[off : off + self.lengths[i]].tolist()
 
     def prompts(self, n: int) -> list[list[int]]:
-        """Acceptance prompts: prefixes of the first ``n`` probe samples, which training holds
-        out (``train.data.split_eval``), so the draft never saw them."""
+        """Acceptance prompts (``pipeline.acceptance``): the first ``n`` probe samples up to the
+        start of their first assistant turn -- what a deployment is asked -- which training holds
+        out (``train.data.split_eval``), so the draft never saw them. A sample whose turn start is
+        not known is cut at half its length (at most 48 tokens)."""
         out = []
         for i in range(min(n, len(self.sample_ids))):
             toks = self.tokens(i)
-            out.append(toks[: max(4, min(48, len(toks) // 2))])
+            start = self.prompt_lengths[i] if self.prompt_lengths else None
+            out.append(toks[:start] if start else toks[: max(4, min(48, len(toks) // 2))])
         return out
 
     def metadata(self) -> dict[str, str]:
@@ -93,7 +98,7 @@ class Fingerprints:
 
         return {"sample_ids": json.dumps(self.sample_ids), "lengths": json.dumps(self.lengths),
                 "points": json.dumps(self.points), "dim": str(self.dim), "seed": str(self.seed),
-                "digests": json.dumps(self.digests)}
+                "digests": json.dumps(self.digests), "prompt_lengths": json.dumps(self.prompt_lengths)}
 
     def save(self, uri: str, s3=None, name: str = FINGERPRINTS_FILE) -> tuple[str, str]:
         """Write to ``<uri>/<name>``; returns (relative path, sha256)."""
@@ -118,21 +123,24 @@ class Fingerprints:
             sample_ids=json.loads(meta["sample_ids"]), lengths=json.loads(meta["lengths"]), points=points,
             dim=int(meta["dim"]), seed=int(meta["seed"]), sketches={p: t[f"sketch/{p}"] for p in points},
             rms={p: t[f"rms/{p}"] for p in points}, digests=json.loads(meta["digests"]), input_ids=t["input_ids"],
+            prompt_lengths=json.loads(meta.get("prompt_lengths", "null")),
         )
 
 
-def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor]]], points: list[str],
+def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor], int | None]], points: list[str],
                  dim: int = 64, seed: int = 0) -> Fingerprints:
-    """Fingerprints of (sample id, token ids [T], point -> [T, H]) samples, consumed one at a time."""
+    """Fingerprints of (sample id, token ids [T], point -> [T, H], first assistant token or None)
+    samples, consumed one at a time."""
     projs: dict[int, torch.Tensor] = {}
     sk: dict[str, list] = {p: [] for p in points}
     rm: dict[str, list] = {p: [] for p in points}
     dg: dict[str, list] = {p: [] for p in points}
-    sids, ids, lengths = [], [], []
-    for sid, toks, tensors in samples:
+    sids, ids, lengths, starts = [], [], [], []
+    for sid, toks, tensors, start in samples:
         sids.append(sid)
         ids.append(toks)
         lengths.append(int(toks.numel()))
+        starts.append(start)
         for p in points:
             x = tensors[p]
             if x.shape[-1] not in projs:
@@ -146,7 +154,14 @@ def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tens
         sketches={p: torch.cat(v) if v else torch.zeros(0, dim) for p, v in sk.items()},
         rms={p: torch.cat(v) if v else torch.zeros(0) for p, v in rm.items()}, digests=dg,
         input_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long),
+        prompt_lengths=starts if any(x is not None for x in starts) else None,
     )
+
+
+def first_assistant_token(loss_mask) -> int | None:
+    """Where a sample's first assistant turn starts: its first trained token (None if none)."""
+    hits = torch.as_tensor(loss_mask).nonzero()
+    return int(hits[0]) if hits.numel() else None
 
 
 def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
@@ -159,6 +174,7 @@ def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
             r = refs[sid]
             table = reader.read_row_group(r.shard, r.row_group)
             toks = torch.from_numpy(table["input_ids"][r.row].values.to_numpy().astype("int64"))
-            yield sid, toks, {p: reader.decode(table, r.row, p) for p in points}
+            mask = table["loss_mask"][r.row].values.to_numpy().astype(bool)
+            yield sid, toks, {p: reader.decode(table, r.row, p) for p in points}, first_assistant_token(mask)
 
     return from_samples(samples(), points, dim, seed)

@@ -31,8 +31,8 @@ def probe_fingerprints(probe, trained: list[CapturePoint], dim: int = FINGERPRIN
                        seed: int = FINGERPRINT_SEED) -> Fingerprints:
     """Sketches of the trained points on the probe prompts (the HF target's values)."""
     cap = probe.capture
-    samples = ((f"probe-{row}", cap.tokens[row, :L], {str(p): cap.states[cap.index(p)][row, :L] for p in trained})
-               for row, L in enumerate(cap.lengths.tolist()))
+    samples = ((f"probe-{row}", cap.tokens[row, :L], {str(p): cap.states[cap.index(p)][row, :L] for p in trained},
+                None) for row, L in enumerate(cap.lengths.tolist()))
     return from_samples(samples, [str(p) for p in trained], dim, seed)
 
 

@@ -75,7 +75,8 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
                 dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
                 dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
                 release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
-                training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name}, metrics=metrics,
+                training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name,
+                          "data_source": ds_manifest.source.model_dump(mode="json")}, metrics=metrics,
                 fingerprints=fingerprints,
             )
             for fname in os.listdir(dest):

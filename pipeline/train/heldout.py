@@ -3,8 +3,9 @@ predicts -- measured once at the end of a run, recorded in ``metrics.jsonl``, th
 metrics and (through them) every exported artifact.
 
 Per-position accuracy only predicts acceptance if the draft sees at serving time what it
-saw in training; speculating for real on prompts it never saw (prefixes of the dataset's
-probe samples, which ``split_eval`` always holds out) is the check.
+saw in training; speculating for real on prompts it never saw (the dataset's probe samples
+up to their first assistant turn, which ``split_eval`` always holds out) is the check. It is
+the same measurement validation and the cost table make (``pipeline.acceptance``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import tempfile
 from pathlib import Path
 
+from pipeline.acceptance import line
 from pipeline.cluster import init_ray
 from pipeline.draft.model import simulated_acceptance_length
 from pipeline.engines.hf import HFEngine
@@ -54,10 +56,8 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
     finally:
         eng.close()
     acc = res.acceptance
-    return {"kind": "heldout_acceptance", "prompts": len(prompts), "prompt_sample_ids": fp.sample_ids[:len(prompts)],
-            "measured_by": acc["measured_by"], "k": acc["k"], "verify_steps": acc["verify_steps"],
-            "mean_acceptance_length": acc["mean_acceptance_length"], "accepted_per_step": acc["accepted_per_step"],
-            "acceptance_per_pos": acc["acceptance_per_pos"], "lossless": lossless,
+    return {"kind": "heldout_acceptance", **acc, "prompt_sample_ids": fp.sample_ids[:len(prompts)],
+            "max_new_tokens": h.max_new_tokens, "lossless": lossless,
             "predicted_accepted_per_step": simulated_acceptance_length(eval_acc[: h.speculative_tokens])
             if eval_acc else None}
 
@@ -78,10 +78,8 @@ def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray:
         result = measure(cfg, aux, eval_acc)
     if "skipped" not in result:
         result["step"] = metrics.get("steps")
-        log.info("held-out acceptance (%d prompts, k=%d): mean acceptance length %.2f, per position %s; "
-                 "training accuracy predicts %.2f accepted per step, measured %.2f", result["prompts"], result["k"],
-                 result["mean_acceptance_length"], [round(a, 2) for a in result["acceptance_per_pos"]],
-                 result["predicted_accepted_per_step"] or float("nan"), result["accepted_per_step"])
+        log.info("held-out acceptance: %s; training accuracy predicts %.2f accepted per step, measured %.2f",
+                 line(result), result["predicted_accepted_per_step"] or float("nan"), result["accepted_per_step"])
     fs, root = resolve(cfg.output, cfg.s3)
     lines = read_bytes(fs, join(root, METRICS_FILE)).decode() if exists(fs, join(root, METRICS_FILE)) else ""
     lines = "".join(ln + "\n" for ln in lines.splitlines() if json.loads(ln).get("kind") != "heldout_acceptance")

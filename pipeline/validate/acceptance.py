@@ -52,7 +52,7 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
 
     Accepted drafts per step over the first k positions (k = the smaller of the two runs'):
     low when ``measured < acceptance_vs_heldout * heldout - acceptance_z * SE`` (SE of the
-    difference, steps taken as independent). Gated only when the held-out figure stands
+    difference: over prompts where both runs report it, else steps taken as independent). Gated only when the held-out figure stands
     clear of its own noise; otherwise reported."""
     if not heldout or not heldout.get("verify_steps") or "accepted_per_step" not in heldout:
         return {"gated": False, "why": "no held-out acceptance was recorded at training"}
@@ -65,7 +65,14 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
     m_mean = sum(m_pos) if m_pos else measured["accepted_per_step"]
     var_h = step_variance(h_pos, s_h) if h_pos else k * k / 4
     var_m = step_variance(m_pos, s_m) if m_pos else var_h
-    se = math.sqrt(var_m / s_m + var_h / s_h)
+    same_k = k == measured["k"] == heldout["k"]
+    if same_k and measured.get("se") is not None and heldout.get("se") is not None:
+        # prompts as the independent units (pipeline.acceptance); never below the per-step figure
+        se_h = max(heldout["se"], math.sqrt(var_h / s_h))
+        se = math.sqrt(max(measured["se"] ** 2, var_m / s_m) + se_h ** 2)
+        var_h = se_h ** 2 * s_h
+    else:
+        se = math.sqrt(var_m / s_m + var_h / s_h)
     threshold = tol.acceptance_vs_heldout * h_mean - tol.acceptance_z * se
     gated = h_mean - tol.acceptance_z * math.sqrt(var_h / s_h) > 0 and threshold > 0
     return {"k": k, "measured": m_mean, "heldout": h_mean, "heldout_verify_steps": s_h, "verify_steps": s_m,

@@ -4,8 +4,9 @@ A blocked verdict says *that* the engine would feed the draft the wrong layers; 
 says what it would have cost a user, on the validation's own (held-out) prompts: the
 target alone, the draft with the configuration as written, and the draft with the ids the
 conventions module gives for the trained capture points -- mean acceptance length,
-per-position acceptance and single-stream decode tokens/s, each configuration timed the
-same way. It is a measurement for the report: nothing here is recorded as servable, and
+per-position acceptance (``pipeline.acceptance``) and single-stream decode tokens/s on
+generations stopped at the end of the turn, as served, each with its standard error over
+prompts, each configuration timed the same way. It is a measurement for the report: nothing here is recorded as servable, and
 every draft it loaded is unloaded before the validation returns.
 """
 
@@ -29,11 +30,16 @@ NOTE = ("measured for this report only: the configuration is blocked, nothing wa
         "loaded for the measurement was unloaded")
 
 
-def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None) -> dict:
+def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, stop_ids: frozenset[int]) -> dict:
     acc = t.acceptance or {}
+    se = t.decode_tokens_per_s_se
     row = {"configuration": name, "draft_config": config, "new_tokens": t.new_tokens,
+           "ended_turn": sum(1 for o in t.outputs if o and o[-1] in stop_ids),
            "decode_tokens_per_s": round(t.decode_tokens_per_s, 2),
+           "decode_tokens_per_s_se": round(se, 2) if se is not None else None,
            "mean_acceptance_length": round(acc["mean_acceptance_length"], 3) if acc else None,
+           "mean_acceptance_length_se": round(acc["se"], 3) if acc and acc.get("se") is not None else None,
+           "verify_steps": acc.get("verify_steps") if acc else None,
            "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None}
     if base is not None:
         row["speedup_vs_no_speculation"] = round(t.decode_tokens_per_s / base.decode_tokens_per_s, 3)
@@ -42,9 +48,9 @@ def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None) -> 
 
 
 def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, prompts, max_new_tokens: int, k: int,
-               base: DecodeTiming) -> dict:
+               base: DecodeTiming, stop_ids: frozenset[int]) -> dict:
     try:
-        return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base)
+        return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base, stop_ids)
     except EngineUnavailable:
         raise
     except Exception as e:  # the engine refusing this configuration is the row's finding
@@ -53,8 +59,10 @@ def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, pr
 
 
 def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: list[CapturePoint], n: int, family: str,
-               release: str, runner: str | None, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
-    """Rows for: no speculation, the draft as configured, the draft with the correct ids."""
+               release: str, runner: str | None, prompts: list[list[int]], max_new_tokens: int, k: int,
+               stop_ids: frozenset[int]) -> dict:
+    """Rows for: no speculation, the draft as configured, the draft with the correct ids;
+    ``ended_turn`` counts the generations that stopped at the target's end of turn (``stop_ids``)."""
     served = json.loads(draft_config.read_text())
     ids_written = conventions.ids_in_draft_config(served, engine.name, release, family, runner)[0]
     try:
@@ -67,7 +75,7 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: lis
     loaded: list[Path] = []  # every draft directory served for this table: unloaded before returning
     try:
         base = engine.timed_decode(None, prompts, max_new_tokens, k)
-        rows = [_row("no speculation", "-", base, None)]
+        rows = [_row("no speculation", "-", base, None, stop_ids)]
         if fixed is None:
             correct = {"configuration": "draft, correct ids", "skipped": f"no id list feeds the trained points: {why}"}
         else:
@@ -77,14 +85,14 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: lis
                 loaded.append(fixed_dir)
             ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
             correct = _draft_row("draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts,
-                                 max_new_tokens, k, base)
+                                 max_new_tokens, k, base, stop_ids)
         written_dir = art if draft_config.resolve() == (art / "config.json").resolve() else \
             draft_dir_with(art, served, tmp / "as-written")
         loaded.append(written_dir)
         rows += [_draft_row("draft, config as written", f"ids {ids_written}", engine, written_dir, prompts,
-                            max_new_tokens, k, base), correct]
-        return {"rows": rows, "prompts": len(prompts), "new_tokens_per_prompt": max_new_tokens, "k": k,
-                "timing": "single stream, prefill subtracted, EOS ignored",
+                            max_new_tokens, k, base, stop_ids), correct]
+        return {"rows": rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
+                "timing": "single stream, one prompt at a time, prefill subtracted, stopped at the end of the turn",
                 "measured_by": f"{engine.name} {engine.version}", "note": NOTE}
     except EngineUnavailable as e:
         return {"skipped": str(e)}
@@ -95,18 +103,24 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: lis
 
 
 def table_lines(cost: dict) -> list[str]:
-    """The cost table as aligned text lines (report and demo)."""
+    """The cost table as aligned text lines (report and demo); +- is one standard error over prompts."""
     if "rows" not in cost:
         return [f"cost not measured: {cost.get('skipped', 'no table')}"]
-    out = [f"{'configuration':<28} {'draft config':<18} {'accept len':>10} {'per position':<22} {'decode tok/s':>12}"]
+    out = [f"{'configuration':<26} {'draft config':<16} {'accept len':>12} {'per position':<16} "
+           f"{'decode tok/s':>18}"]
     for r in cost["rows"]:
         if "skipped" in r:
-            out.append(f"{r['configuration']:<28} {r['skipped']}")
+            out.append(f"{r['configuration']:<26} {r['skipped']}")
             continue
-        acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] is not None else "-"
+        acc = "-"
+        if r["mean_acceptance_length"] is not None:
+            acc = f"{r['mean_acceptance_length']:.2f}" + (f" +-{r['mean_acceptance_length_se']:.2f}"
+                                                          if r.get("mean_acceptance_length_se") is not None else "")
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) if r["acceptance_per_pos"] else "-"
         speed = f"{r['decode_tokens_per_s']:.1f}"
+        if r.get("decode_tokens_per_s_se") is not None:
+            speed += f" +-{r['decode_tokens_per_s_se']:.1f}"
         if "speedup_vs_no_speculation" in r:
             speed += f" ({r['speedup_vs_no_speculation']:.2f}x)"
-        out.append(f"{r['configuration']:<28} {r['draft_config']:<18} {acc:>10} {per:<22} {speed:>12}")
+        out.append(f"{r['configuration']:<26} {r['draft_config']:<16} {acc:>12} {per:<16} {speed:>18}")
     return out

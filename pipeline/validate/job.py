@@ -25,7 +25,7 @@ from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.errors import UnusableInput
 from pipeline.fingerprint import Fingerprints, projection, sketch
-from pipeline.identity import target_config, target_identity
+from pipeline.identity import stop_token_ids, target_config, target_identity
 from pipeline.registry.registry import Registry
 from pipeline.registry.store import open_store
 from pipeline.validate import acceptance, checks
@@ -275,8 +275,8 @@ def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
     if reading is None:
         return {"skipped": f"no derived rule for {s.engine} {case.release}: the correct ids are not known"}
     return cost_table(engine, case.art, case.draft_cfg_path, case.trained, case.n, case.family, case.release,
-                      reading.rule.runner, acceptance.prompts(cfg, case.fp), cfg.cost_max_new_tokens,
-                      cfg.speculative_tokens)
+                      reading.rule.runner, acceptance.prompts(cfg, case.fp), cfg.max_new_tokens,
+                      cfg.speculative_tokens, stop_token_ids(s.target.path))
 
 
 def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: bool

