@@ -81,13 +81,16 @@ def _shutdown(llm) -> None:
         log.debug("vLLM shutdown: %s", e)
 
 
+def _generate(llm, prompts: list[list[int]], params) -> list[list[int]]:
+    """The new tokens for each prompt (``params``: one SamplingParams, or one per prompt)."""
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return [_tokens(o) for o in outs]
+
+
 def _greedy(llm, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                        SamplingParams(max_tokens=max_new_tokens, temperature=0.0),
-                        use_tqdm=False)
-    return [_tokens(o) for o in outs]
+    return _generate(llm, prompts, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
 
 
 def _tokens(o) -> list[int]:
@@ -274,9 +277,8 @@ class VLLMPlain:
             return self.generate_tokens(prompts, max_new_tokens)
         from vllm import SamplingParams
 
-        params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s) for s in seeds]
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        return [_tokens(o) for o in outs]
+        return _generate(self.llm, prompts, [SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
+                                                            top_p=top_p, seed=s) for s in seeds])
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
