@@ -44,13 +44,13 @@ def standard_error(per_prompt: list[PromptCounts]) -> float | None:
     """SE of accepted-per-step (= SE of the mean acceptance length) with prompts as clusters;
     None with fewer than two prompts that ran a verify step."""
     ran = [c for c in per_prompt if c.verify_steps > 0]
-    n = len(ran)
-    if n < 2:
+    m = len(ran)
+    if m < 2:
         return None
     steps = sum(c.verify_steps for c in ran)
     r = sum(c.accepted for c in ran) / steps
     resid = sum((c.accepted - r * c.verify_steps) ** 2 for c in ran)
-    return math.sqrt(n / (n - 1) * resid) / steps
+    return math.sqrt(m / (m - 1) * resid) / steps
 
 
 def summary(measured_by: str, k: int, verify_steps: int, accepted_per_pos: list[int] | None,

@@ -25,12 +25,12 @@ def pack_by_tokens(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     batches: list[list[int]] = []
     cur: list[int] = []
     used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > batch_tokens:
+    for i, length in enumerate(lengths):
+        if cur and used + length > batch_tokens:
             batches.append(cur)
             cur, used = [], 0
         cur.append(i)
-        used += n
+        used += length
     if cur:
         batches.append(cur)
     return batches

@@ -102,8 +102,8 @@ def is_heldout(doc_id: str, fraction: float) -> bool:
 def _blocks(docs: list[list[int]], seq_len: int, eos: int) -> list[list[int]]:
     """Pack documents (eos-separated) into windows of seq_len + 1 tokens (inputs + shifted labels)."""
     stream = [t for d in docs for t in (*d, eos)]
-    n = seq_len + 1
-    return [stream[i : i + n] for i in range(0, len(stream) - n + 1, seq_len)]
+    window = seq_len + 1
+    return [stream[i : i + window] for i in range(0, len(stream) - window + 1, seq_len)]
 
 
 # -- train ----------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ For a decoder with N layers numbered 0..N-1 the residual stream is named by boun
 ``r_k`` enters layer k (pre-norm, residual included), ``r_0`` is the embedding output,
 ``r_N`` is the last layer's output before the final norm, ``o_j = r_{j+1}``, and
 ``final post-norm = norm(r_N)`` is what the LM head reads. Engines disagree about what
-an integer means (see ``pipeline.conventions``); this type does not.
+an integer means (see ``pipeline.conventions``, which also owns the boundary arithmetic:
+``conventions.boundary``, ``position``, ``sort_key``); this type does not.
 
 Canonical string forms (used as Parquet column names and in configs):
 ``embedding``, ``layer_output:<j>``, ``final:pre_norm``, ``final:post_norm``.
@@ -96,30 +97,9 @@ class CapturePoint(BaseModel):
         if self.kind == "layer_output" and self.layer >= num_layers:  # type: ignore[operator]
             raise CapturePointError(
                 f"capture point {self} does not exist: the target has {num_layers} decoder "
-                f"layers, numbered 0..{num_layers - 1}"
+                f"layers, numbered from 0 (layer_output:<j> needs j < {num_layers})"
             )
         return self
-
-    def boundary(self, num_layers: int) -> int | None:
-        """Residual-stream boundary k (``r_k``) this point equals; None for post-norm."""
-        self.validate_for(num_layers)
-        if self.kind == "embedding":
-            return 0
-        if self.kind == "layer_output":
-            return self.layer + 1  # type: ignore[operator]
-        return num_layers if self.norm == "pre" else None
-
-    def same_tensor(self, other: CapturePoint, num_layers: int) -> bool:
-        """True when both names denote the same physical tensor (o_{N-1} is r_N pre-norm)."""
-        if self == other:
-            return True
-        a, b = self.boundary(num_layers), other.boundary(num_layers)
-        return a is not None and a == b
-
-    def sort_key(self, num_layers: int) -> tuple[int, int]:
-        """Order along the forward pass: boundaries ascending, post-norm last."""
-        b = self.boundary(num_layers)
-        return (num_layers + 1, 0) if b is None else (b, 0 if self.kind != "final" else 1)
 
 
 def parse_points(items: list[str | CapturePoint | dict]) -> list[CapturePoint]:

@@ -65,7 +65,7 @@ class RayConfig(Strict):
 
 
 class FingerprintConfig(Strict):
-    probe_samples: int = Field(16, ge=0, description="samples fingerprinted for validation (0: none)")
+    probe_samples: int = Field(32, ge=0, description="samples fingerprinted for validation (0: none)")
     dim: int = Field(64, ge=8, description="random-projection width per token")
     seed: int = 0
 

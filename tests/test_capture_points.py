@@ -20,19 +20,28 @@ def test_parse_rejects_with_accepted_forms(bad):
 def test_layer_beyond_target_names_layer_count():
     with pytest.raises(CapturePointError) as e:
         CapturePoint.layer_output(40).validate_for(32)
-    assert "layer_output:40" in str(e.value) and "32 decoder layers" in str(e.value) and "0..31" in str(e.value)
+    assert "layer_output:40" in str(e.value) and "32 decoder layers" in str(e.value) and "j < 32" in str(e.value)
     assert CapturePoint.layer_output(31).validate_for(32).layer == 31
 
 
 def test_boundaries():
+    from pipeline.conventions import boundaries as b
+
     n = 32
-    assert CapturePoint.embedding().boundary(n) == 0
-    assert CapturePoint.layer_output(2).boundary(n) == 3          # o_2 = r_3
-    assert CapturePoint.final("pre").boundary(n) == 32            # r_N
-    assert CapturePoint.final("post").boundary(n) is None
-    assert CapturePoint.layer_output(31).same_tensor(CapturePoint.final("pre"), n)
-    assert not CapturePoint.layer_output(30).same_tensor(CapturePoint.final("pre"), n)
-    assert not CapturePoint.final("post").same_tensor(CapturePoint.final("pre"), n)
+    assert b.boundary(CapturePoint.embedding(), n) == 0
+    assert b.boundary(CapturePoint.layer_output(2), n) == 3          # o_2 = r_3
+    assert b.boundary(CapturePoint.final("pre"), n) == 32            # r_N
+    assert b.boundary(CapturePoint.final("post"), n) is None
+    assert b.position(CapturePoint.final("post"), n) == 33           # after r_N
+    assert b.same_tensor(CapturePoint.layer_output(31), CapturePoint.final("pre"), n)
+    assert not b.same_tensor(CapturePoint.layer_output(30), CapturePoint.final("pre"), n)
+    assert not b.same_tensor(CapturePoint.final("post"), CapturePoint.final("pre"), n)
+    walk = [CapturePoint.final("post"), CapturePoint.final("pre"), CapturePoint.layer_output(31),
+            CapturePoint.layer_output(0), CapturePoint.embedding()]
+    assert sorted(walk, key=lambda p: b.sort_key(p, n)) == walk[::-1]
+    assert b.eagle3_default(n) == [2, 16, 29] and b.eagle3_default(6) == [2, 3, 3]
+    with pytest.raises(CapturePointError, match="32 decoder layers"):
+        b.boundary(CapturePoint.layer_output(32), n)
 
 
 def test_invalid_field_combinations():

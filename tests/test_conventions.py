@@ -19,7 +19,7 @@ def test_all_tool_defaults_name_the_same_tensors(n):
     for tool in ("specforge", "modelopt", "trtllm", "eagle"):
         assert cv.default_aux_points(tool, n) == want, tool
     for tool in ("vllm", "sglang"):  # both capture in loop order, each layer once
-        assert cv.default_aux_points(tool, n) == sorted(set(want), key=lambda p: p.boundary(n)), tool
+        assert cv.default_aux_points(tool, n) == sorted(set(want), key=lambda p: cv.boundary(p, n)), tool
 
 
 def test_vllm_default_collapses_at_six_layers():
@@ -126,7 +126,7 @@ def test_sglang_gpt_oss_r_labels_reach_final(n):
 def test_specforge_family_is_output_ids(n):
     for tool in ("specforge", "modelopt", "trtllm"):
         read = cv.points_read_from([0, n - 1], tool, n)
-        assert read == [O(0), O(n - 1)] and read[1].same_tensor(PRE, n)
+        assert read == [O(0), O(n - 1)] and cv.same_tensor(read[1], PRE, n)
         with pytest.raises(cv.ConventionError, match="embedding"):
             cv.aux_ids_for([E], tool, n)
 

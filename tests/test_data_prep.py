@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.data.chat import ChatEncoder
-from pipeline.data.conversations import BadRow, parse_row
+from pipeline.data.conversations import BadRow, parse_row, row_digest
 from pipeline.data.source import scan_source
 from pipeline.extract.worker import tokenize_unit
 from schemas.extract import ExtractConfig
@@ -64,6 +64,19 @@ def test_sharegpt_and_openai_shapes_normalise_identically():
     a = parse_row(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode())
     b = parse_row(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}).encode())
     assert a.messages == b.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+
+
+def test_a_row_is_its_data_not_its_bytes():
+    """Extraction and retraining identify a row by one definition: re-serialising a line (key
+    order, spacing, escapes) keeps its identity; other content, or another turn order, does not."""
+    row = {"messages": [{"role": "user", "content": "caf\u00e9?"}, {"role": "assistant", "content": "a"}], "id": 7}
+    plain = json.dumps(row).encode()
+    again = json.dumps(row, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    assert plain != again and row_digest(plain) == row_digest(again) == parse_row(plain).content_sha256
+    other = {**row, "messages": row["messages"][::-1]}
+    assert row_digest(json.dumps(other).encode()) != row_digest(plain)
+    # a line that is not JSON is its bytes (quarantined by extraction, remembered by retraining)
+    assert row_digest(b"{not json") != row_digest(b"{not json ")
 
 
 BAD_ROWS = [

@@ -86,7 +86,7 @@ def test_sglang_feeds_loop_order_each_once(arch):
     rel = "0.5.23"
     ids = [29, 1, 57]
     assert cv.points_read_from(ids, "sglang", N, arch, rel) == sorted(
-        cv.points_read_from(sorted(ids), "sglang", N, arch, rel), key=lambda p: p.boundary(N))
+        cv.points_read_from(sorted(ids), "sglang", N, arch, rel), key=lambda p: cv.boundary(p, N))
     repeated = ids[:1] * 2 + ids[1:]
     assert cv.points_read_from(repeated, "sglang", N, arch, rel) == cv.points_read_from(ids, "sglang", N, arch, rel)
 

@@ -8,7 +8,8 @@ first violation, naming the file and line.
   (vLLM, SGLang), a module that loads torch (so a job's driver process stays light), or keeps
   the CLI's startup light (``cli.py``, ``demo.py``).
 - The extraction job's driver loads neither torch nor transformers: its capture actors do.
-- Integer layer-id arithmetic lives only in ``pipeline/conventions``.
+- Integer layer-id arithmetic lives only in ``pipeline/conventions``, in ``schemas/`` too; ``n``
+  and ``N`` name a layer count there, so nothing else outside it is called that.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo.py"}
 OPTIONAL_ENGINE_MODULES = {"pipeline.engines.vllm_engine", "pipeline.engines.sglang_engine"}
-LAYER_NAMES = re.compile(r"num_layers|num_hidden_layers|layer_ids?$|boundary")
+LAYER_NAMES = re.compile(r"num_layers|num_hidden_layers|layer_ids?$|^layer$|boundary|^[nN]$")
 
 
 def py_files(folder: str) -> list[Path]:
@@ -171,7 +172,7 @@ def layer_arithmetic(source: str) -> list[str]:
 
 
 def test_layer_id_arithmetic_only_in_conventions():
-    bad = [f"{rel(p)}:{hit}" for p in py_files("pipeline") if "conventions" not in p.parts
+    bad = [f"{rel(p)}:{hit}" for p in py_files("pipeline") + py_files("schemas") if "conventions" not in p.parts
            for hit in layer_arithmetic(p.read_text())]
     assert not bad, "layer ids are computed only in pipeline/conventions:\n" + "\n".join(bad)
 
@@ -179,6 +180,7 @@ def test_layer_id_arithmetic_only_in_conventions():
 def test_the_rules_catch_what_they_forbid():
     """Each detector flags a planted violation (else the tests above pass vacuously)."""
     assert layer_arithmetic("ids = [2, num_layers // 2, num_layers - 3]")
+    assert layer_arithmetic("k = n + 1") and layer_arithmetic("return self.layer + 1")
     assert layer_arithmetic("h = out.hidden_states[k]") and layer_arithmetic("m = model.layers[i - 1]")
     assert not layer_arithmetic("x = tokens[i - 1] + step * 2")
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]

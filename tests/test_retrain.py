@@ -96,6 +96,12 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, c
     runs = [e.details for e in reg.history("production") if e.action == "retrain"]
     assert [r["outcome"] for r in runs] == ["promoted", "promoted", "noop"]
     assert runs[1]["new_rows"] == 12 and runs[1]["warm_start_from"] == r1.artifact_digest
+    # The same rows re-serialised (another writer: sorted keys, no spaces, raw UTF-8) are the same
+    # data: nothing is new, nothing is extracted twice.
+    src.write_text("".join(json.dumps(r, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
+                           for r in convs[:62]))
+    r3b = run_retrain(cfg, progress=False)
+    assert r3b.outcome == "noop" and r3b.new_rows == 0 and r3b.extracted_rows == 0, r3b.message
 
     # The extraction changes (here bf16 capture; an engine upgrade is the same case): a new base
     # version, every row extracted again, never mixed with the fp32 shards; same target and

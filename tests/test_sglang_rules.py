@@ -17,6 +17,7 @@ from typing import Optional
 import pytest
 from conftest import require
 
+from pipeline.conventions import boundary
 from pipeline.draft.export import ExportError, export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.identity import target_identity
@@ -96,7 +97,7 @@ def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, 
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["eagle_config"][AUX_KEY] == nested_ids and AUX_KEY not in cfg
     n = ident.num_layers
-    assert sglang_captures(cfg["eagle_config"][AUX_KEY], family, n) == [p.boundary(n) for p in points]
+    assert sglang_captures(cfg["eagle_config"][AUX_KEY], family, n) == [boundary(p, n) for p in points]
 
 
 def test_sglang_families_refuse_what_they_cannot_capture(draft, tmp_path):

@@ -37,6 +37,7 @@ def extract(tiny_target, src, out, points=(*AUX, "final:post_norm"), n_rows=None
     cfg = ExtractConfig.model_validate({
         "target": {"path": str(tiny_target)}, "source": {"uri": str(src)}, "output": {"uri": str(out), "rows_per_shard": 32},
         "capture": list(points), "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"},
+        "fingerprint": {"probe_samples": 16},
     })
     return run_extract(cfg, progress=False, use_ray=False)
 
@@ -58,6 +59,7 @@ def train_cfg(tiny_target, dataset, out, **kw) -> dict:
         "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 8, "metrics_every": 4,
         "checkpoint_every": 6, "eval_fraction": 0.1, "num_workers": 2, "cpus_per_worker": 0.5,
         "optim": {"lr": 3e-3, "warmup_steps": 3}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "heldout_acceptance": {"prompts": 8},  # not what these tests check: kept cheap
     }
     for k, v in kw.items():
         cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v

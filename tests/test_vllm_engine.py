@@ -223,3 +223,29 @@ def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp
     same = served(trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"},
                   acceptance_prompts=0)
     assert same.decision == "pass", same.reasons
+
+
+def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(vllm_engine, trained_run, tiny_target,
+                                                                          tmp_path):
+    """vLLM keeps only the newest engine's metrics in a process: an older EAGLE-3 engine would
+    read as if it accepted nothing (mean length 1.0, silently). Reading one raises; ``shared``
+    restarts it, and its counts are what they were."""
+    import shutil
+
+    from pipeline.engines.errors import EngineError
+
+    art, copy = trained_run / "export" / "vllm", tmp_path / "copy"
+    shutil.copytree(art, copy)
+    kw = {"dtype": "float32", "max_model_len": 512}
+    prompt = [list(range(5, 30))]
+    first = vllm_engine.shared("eagle3", tiny_target, str(art), 3, **kw)
+    _, before = first.generate(prompt, 16)
+    vllm_engine.shared("eagle3", tiny_target, str(copy), 3, **kw).generate(prompt, 4)
+    with pytest.raises(EngineError, match="no longer readable"):
+        first.generate(prompt, 16)
+    again = vllm_engine.shared("eagle3", tiny_target, str(art), 3, **kw)
+    assert again is not first and again.counters_readable
+    _, after = again.generate(prompt, 16)
+    assert before.num_drafts > 0 and after == before
+    for d in (art, copy):
+        vllm_engine.release("eagle3", str(d))

@@ -25,12 +25,20 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pipeline.conventions import releases
+from pipeline.conventions.boundaries import (
+    boundary,
+    eagle3_default,
+    position,
+    same_tensor,
+    sort_key,
+)
 from pipeline.conventions.releases import AUX_KEY, NEWEST, ConventionError, UnknownRelease
 from schemas.capture import CapturePoint
 
 Tool = Literal["hf", "vllm", "sglang", "specforge", "modelopt", "trtllm", "eagle"]
 
-__all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "releases"]
+__all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "boundary", "eagle3_default", "position", "releases",
+           "same_tensor", "sort_key"]
 
 def engine_family(engine: str, target_config: dict, override: str | None = "auto") -> str:
     """The architecture whose capture rule ``engine`` applies to this target (from its config.json's
@@ -61,7 +69,7 @@ def boundary_point(k: int, num_layers: int) -> CapturePoint:
 
 def boundary_label(point: CapturePoint, num_layers: int) -> str:
     """Boundary notation for a point: 'r_3', or 'final_post' for the post-norm state."""
-    k = point.boundary(num_layers)
+    k = boundary(point, num_layers)
     return "final_post" if k is None else f"r_{k}"
 
 
@@ -72,12 +80,12 @@ def all_boundaries(num_layers: int) -> list[CapturePoint]:
 
 def describe_point(point: CapturePoint, num_layers: int) -> str:
     """A capture point in words, for messages: 'the embedding (r_0)', 'the output of layer 2 (r_3)'."""
-    k = point.boundary(num_layers)
+    k = boundary(point, num_layers)
     return "the post-norm final state (final_post, what the LM head reads)" if k is None else releases.describe(k, num_layers)
 
 
 def _r(point: CapturePoint, num_layers: int, tool: str) -> int:
-    k = point.boundary(num_layers)
+    k = boundary(point, num_layers)
     if k is None:
         raise ConventionError(f"{tool} cannot feed a draft {describe_point(point, num_layers)}: it feeds residual-"
                               "stream states before the final norm (the embedding or a layer's output)")
@@ -90,7 +98,7 @@ def hf_hidden_states_index(point: CapturePoint, num_layers: int, last_is_post_no
 
     ``hidden_states[N]`` is post-norm unless ``config.tie_last_hidden_states=False``.
     """
-    k = point.boundary(num_layers)
+    k = boundary(point, num_layers)
     if k is None:
         return num_layers if last_is_post_norm else None
     if k == num_layers and last_is_post_norm:
@@ -173,9 +181,9 @@ def default_aux_points(tool: Tool, num_layers: int) -> list[CapturePoint]:
     n = num_layers
     if tool == "hf":
         raise ConventionError("HF transformers has no EAGLE-3 default")
-    if tool in ("specforge", "modelopt", "trtllm"):
-        return [CapturePoint.layer_output(j) for j in (1, n // 2 - 1, n - 4)]
-    rs = [2, n // 2, n - 3]
+    rs = eagle3_default(n)
+    if tool in ("specforge", "modelopt", "trtllm"):  # the same tensors, as o-labels
+        return [CapturePoint.layer_output(k - 1) for k in rs]
     if tool in ("vllm", "sglang"):
         rs = sorted(set(rs))
     return [boundary_point(k, n) for k in rs]
@@ -270,7 +278,7 @@ def readings_of_config(config: dict, num_layers: int, archs: dict[str, str]) -> 
 def shifted(points: Sequence[CapturePoint], delta: int, num_layers: int) -> list[CapturePoint] | None:
     """Each point moved ``delta`` boundaries along the residual stream (None when one falls off, or
     is not on the residual stream: the post-norm final state)."""
-    if any(p.boundary(num_layers) is None for p in points):
+    if any(boundary(p, num_layers) is None for p in points):
         return None
     ks = [_r(p, num_layers, "a shift") + delta for p in points]
     return [boundary_point(k, num_layers) for k in ks] if all(0 <= k <= num_layers for k in ks) else None

@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.conventions import derive_sglang, derive_vllm
+from pipeline.conventions.boundaries import eagle3_default
 from pipeline.conventions.engine_code import EngineCodeError, ReleasedCode
 
 TABLE = Path(__file__).with_name("rules.json")
@@ -77,8 +78,7 @@ def release_rows(code: ReleasedCode) -> list[dict]:
 
 
 def _shift(default: tuple[int, ...]) -> int:
-    n = derive_vllm.N
-    return next((s for s in (0, 1) if list(default) == [k + s for k in (2, n // 2, n - 3)]), 0)
+    return next((s for s in (0, 1) if list(default) == [k + s for k in eagle3_default(derive_vllm.N)]), 0)
 
 
 def _sglang_row(code: ReleasedCode, d: derive_sglang.Derived) -> dict:

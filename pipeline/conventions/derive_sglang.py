@@ -18,6 +18,7 @@ import ast
 import re
 from dataclasses import dataclass
 
+from pipeline.conventions.boundaries import eagle3_default
 from pipeline.conventions.capture_loop import capture_range
 from pipeline.conventions.engine_code import CodeIndex, EngineCodeError, ReleasedCode, StandInModel
 
@@ -124,7 +125,7 @@ def derive_architecture(index: CodeIndex, module: str, key: str) -> Derived:
     if id_rule is None:
         return Derived(arch, short, False, source=source,
                        why=f"{METHOD} maps ids in no known way: {results}; extend derive_sglang._classify")
-    loop = [2, N // 2, N - 3]
+    loop = eagle3_default(N)
     shift = next((s for s in (0, 1) if default == [k + s for k in loop]), None)
     if shift is None:
         return Derived(arch, short, False, source=source, why=f"unknown default capture list {default} for N={N}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pipeline.conventions.boundaries import boundary
 from schemas.capture import CapturePoint
 
 
@@ -36,7 +37,7 @@ def hook_capture_point(
     def save_input(_mod, args, kwargs):
         store[key] = args[0] if args else kwargs["hidden_states"]
 
-    k = point.validate_for(n).boundary(n)
+    k = boundary(point, n)
     if k is None:  # final post-norm: what the LM head reads
         return norm.register_forward_hook(save_output)
     if k == n:     # r_N: the final norm's input

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pipeline.conventions.boundaries import eagle3_default
 from pipeline.errors import UnusableInput
 
 Engine = Literal["vllm", "sglang"]
@@ -283,7 +284,7 @@ def config_with_ids(rule: ReadingRule, config: dict, ids: Sequence[int]) -> dict
 
 def default_boundaries(rule: ReadingRule, n: int) -> list[int]:
     """Both engines default to (2, N//2, N-3) as loop indices / boundaries (one SGLang wrapper adds 1)."""
-    return sorted({k + rule.default_shift for k in (2, n // 2, n - 3)})
+    return sorted({k + rule.default_shift for k in eagle3_default(n)})
 
 
 def boundaries_read(rule: ReadingRule, ids: Sequence[int] | None, n: int) -> list[int]:

@@ -35,6 +35,16 @@ def content_digest(obj: object) -> str:
                      "that is not valid Unicode") from None
 
 
+def row_digest(data: bytes) -> str:
+    """A source row's identity, for extraction and retraining alike: the digest of its canonical
+    JSON, so a line written again by another serialiser (key order, spacing, escapes) is the same
+    row; a line that is not JSON text is its bytes."""
+    try:
+        return content_digest(json.loads(data))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, BadRow):
+        return hashlib.sha256(data).hexdigest()
+
+
 def parse_row(data: bytes) -> Conversation:
     """Parse one row or raise BadRow with the reason it goes to quarantine."""
     if not data.strip():

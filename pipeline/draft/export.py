@@ -152,7 +152,7 @@ def export_draft(
 def _check_aux(model: Eagle3Draft, aux_points: list[CapturePoint], n: int, engine: str) -> None:
     if engine not in ("sglang", "vllm"):
         raise ExportError(f"unknown serving engine {engine!r}: expected sglang or vllm")
-    if sorted(aux_points, key=lambda p: p.sort_key(n)) != list(aux_points):
+    if sorted(aux_points, key=lambda p: conventions.sort_key(p, n)) != list(aux_points):
         raise ExportError(f"aux capture points must be in ascending order, got {[str(p) for p in aux_points]}")
     if len(aux_points) != model.config.num_aux:
         raise ExportError(f"the draft reads {model.config.num_aux} aux slots, got {len(aux_points)} capture points")

@@ -223,13 +223,13 @@ class Eagle3Draft(nn.Module):
         return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(counted))
 
 
-def shift(x: torch.Tensor, n: int, fill) -> torch.Tensor:
-    """x[:, t] <- x[:, t+n]; the last n positions get ``fill``."""
-    if n == 0:
+def shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """x[:, t] <- x[:, t+by]; the last ``by`` positions get ``fill``."""
+    if by == 0:
         return x
     out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
+    if by < x.shape[1]:
+        out[:, : x.shape[1] - by] = x[:, by:]
     return out
 
 

@@ -73,6 +73,10 @@ class DecodeTiming:
                                                                      strict=True)]
 
     @property
+    def decode_seconds(self) -> float:
+        return sum(s for _, s in self._decode())
+
+    @property
     def decode_tokens_per_s(self) -> float:
         d = self._decode()
         return sum(n for n, _ in d) / max(sum(s for _, s in d), 1e-9)
@@ -85,7 +89,7 @@ class DecodeTiming:
         if len(d) < 2:
             return None
         r, secs = self.decode_tokens_per_s, sum(s for _, s in d)
-        return math.sqrt(len(d) / (len(d) - 1) * sum((n - r * s) ** 2 for n, s in d)) / secs
+        return math.sqrt(len(d) / (len(d) - 1) * sum((tok - r * s) ** 2 for tok, s in d)) / secs
 
 
 def time_decode(generate, prompts: list[list[int]], max_new_tokens: int, after_each=None

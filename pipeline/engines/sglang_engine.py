@@ -116,7 +116,7 @@ class SGLangEngine(TargetEngine):
         if cannot:
             raise EngineError(f"SGLang {self.version} ({self.family}) cannot capture {', '.join(cannot)}")
         self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-"))
-        self.order = sorted(self.points, key=lambda p: p.sort_key(self.num_layers))
+        self.order = sorted(self.points, key=lambda p: conventions.sort_key(p, self.num_layers))
         stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(self.order), tcfg.get("vocab_size", 32000)))
         export_draft(stub, self._dir / "capture-draft", "sglang", self.order, ident, family=self.family,
                      dtype="bfloat16", release=release)

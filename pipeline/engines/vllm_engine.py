@@ -55,6 +55,12 @@ def _target_shape(model_dir: str | Path) -> tuple[int, int]:
     return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
 
 
+# Every vLLM engine started in a process replaces the previous one's metrics in Prometheus's
+# registry (vLLM unregisters them), so only the newest engine's spec-decode counters can be read:
+# an older engine reads as if it had accepted nothing. Engines remember which start they were.
+_starts = 0
+
+
 def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: int, kv_cache_gib: float, **extra):
     """One vLLM ``LLM``; on CPU eager mode and a bounded KV cache (on GPU vLLM sizes it),
     prefix caching off everywhere (a reused prefix block must not stand in for a capture)."""
@@ -70,8 +76,11 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
     # TP workers run as local processes on the GPUs Ray gave this actor (ray.gpus_per_actor =
     # tp_size): vLLM must not try to schedule them through Ray from inside a Ray actor.
     parallel = {"distributed_executor_backend": "mp"} if tp_size > 1 else {}
-    return LLM(model=str(model_dir), dtype=dtype, tensor_parallel_size=tp_size, max_model_len=max_model_len,
-               enforce_eager=on_cpu, enable_prefix_caching=False, seed=0, disable_log_stats=False, **parallel, **extra)
+    global _starts
+    llm = LLM(model=str(model_dir), dtype=dtype, tensor_parallel_size=tp_size, max_model_len=max_model_len,
+              enforce_eager=on_cpu, enable_prefix_caching=False, seed=0, disable_log_stats=False, **parallel, **extra)
+    _starts += 1
+    return llm
 
 
 def _shutdown(llm) -> None:
@@ -189,11 +198,14 @@ class VLLMEngine(TargetEngine):
         eng = shared("eagle3", self.model_dir, str(draft_dir), k, dtype=self.dtype, tp_size=self.tp_size,
                      max_model_len=self.max_model_len)
         tokens, stats, calls = eng.generate_recording(prompts, max_new_tokens)
-        return ServeResult(tokens, self._acceptance(k, stats), calls)
+        return ServeResult(tokens, self._acceptance(k, stats, tokens), calls)
 
-    def _acceptance(self, k: int, stats: list[SpecDecodeStats]) -> dict:
+    def _acceptance(self, k: int, stats: list[SpecDecodeStats], outputs: list[list[int]]) -> dict:
         """vLLM's counters per prompt, as ``pipeline.acceptance`` defines acceptance."""
-        for i, st in enumerate(stats):
+        for i, (st, out) in enumerate(zip(stats, outputs, strict=True)):
+            if len(out) > 1 and st.num_drafts == 0:  # every token after the prefill's is a verify step's
+                raise EngineError(f"vLLM's spec-decode counters did not move for prompt {i} although it decoded "
+                                  f"{len(out)} tokens with a draft: they are not this engine's")
             if sum(st.accepted_per_pos) != st.num_accepted_tokens:
                 raise EngineError(f"vLLM's spec-decode counters for prompt {i} do not reconcile: "
                                   f"{st.num_accepted_tokens} accepted tokens, per position {st.accepted_per_pos}")
@@ -210,13 +222,13 @@ class VLLMEngine(TargetEngine):
         eng = shared("plain", self.model_dir, **kw) if draft_dir is None else \
             shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
         eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
-        marks = [read_spec_metrics(eng.llm)]
+        marks = [eng.spec_metrics()]
         outs, prefill, total = time_decode(eng.generate_tokens, prompts, max_new_tokens,
-                                              after_each=lambda: marks.append(read_spec_metrics(eng.llm)))
+                                              after_each=lambda: marks.append(eng.spec_metrics()))
         if draft_dir is None:
             return DecodeTiming(outs, prefill, total, None)
         stats = [spec_stats(a, b, k) for a, b in zip(marks, marks[1:], strict=False)]
-        return DecodeTiming(outs, prefill, total, self._acceptance(k, stats))
+        return DecodeTiming(outs, prefill, total, self._acceptance(k, stats, outs))
 
     def release_draft(self, draft_dir) -> None:
         release("eagle3", str(draft_dir))
@@ -302,11 +314,24 @@ class VLLMEagle3:
                               speculative_config={"method": "eagle3", "model": str(draft_dir),
                                                   "num_speculative_tokens": k},
                               worker_extension_cls=EXTENSION)
+        self.start = _starts
+
+    @property
+    def counters_readable(self) -> bool:
+        """False once another engine started in this process (its metrics replaced this one's)."""
+        return self.start == _starts
+
+    def spec_metrics(self) -> dict[str, list[int] | int]:
+        if not self.counters_readable:
+            raise EngineError("this vLLM EAGLE-3 engine's spec-decode counters are no longer readable: another "
+                              "vLLM engine started in this process since (vLLM keeps only the newest engine's "
+                              "metrics); take the engine through vllm_engine.shared(), which restarts it")
+        return read_spec_metrics(self.llm)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:
-        before = read_spec_metrics(self.llm)
+        before = self.spec_metrics()
         outs = self.generate_tokens(prompts, max_new_tokens)
-        return outs, spec_stats(before, read_spec_metrics(self.llm), self.k)
+        return outs, spec_stats(before, self.spec_metrics(), self.k)
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         return _greedy(self.llm, prompts, max_new_tokens)
@@ -348,6 +373,10 @@ def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
     runs at exit.
     """
     key = (kind, repr(args), repr(sorted(kwargs.items())))
+    if key in _POOL and kind == "eagle3" and not _POOL[key].counters_readable:
+        log.info("restarting the vLLM EAGLE-3 engine for %s: another engine started since, and vLLM reads only "
+                 "the newest engine's counters", args[1] if len(args) > 1 else args)
+        _POOL.pop(key).close()
     if key in _POOL:
         _POOL[key] = _POOL.pop(key)  # most recently used last
         return _POOL[key]

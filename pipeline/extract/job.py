@@ -16,7 +16,7 @@ import pyarrow as pa
 
 import pipeline
 from pipeline.cluster import init_ray, require_resources
-from pipeline.conventions import boundary_label, describe_point
+from pipeline.conventions import boundary_label, describe_point, same_tensor
 from pipeline.data.source import regeneration_of, scan_source
 from pipeline.engines import engine_ref
 from pipeline.errors import UnusableInput
@@ -80,7 +80,7 @@ def check_plan(cfg: ExtractConfig, identity: TargetIdentity) -> None:
         p.validate_for(n)
     for i, a in enumerate(cfg.capture):
         for b in cfg.capture[i + 1:]:
-            if a.same_tensor(b, n):
+            if same_tensor(a, b, n):
                 raise ExtractionError(f"capture points {a} and {b} name the same tensor ({boundary_label(a, n)}) on "
                                       f"this {n}-layer target: keep one")
     if cfg.engine.name != "hf":

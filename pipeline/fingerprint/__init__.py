@@ -26,8 +26,8 @@ def safetensors_metadata(blob: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file held in memory (8-byte length, JSON header)."""
     import json
 
-    n = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + n]).get("__metadata__", {})
+    header = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8:8 + header]).get("__metadata__", {})
 
 
 def projection(hidden: int, dim: int, seed: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ def capture_boundaries(target_dir: str | Path, prompts: list[list[int]], dtype: 
     from pipeline.engines.hf import HFEngine
 
     n = int(text_config(target_config(target_dir))["num_hidden_layers"])
-    points = [conventions.boundary_point(k, n) for k in range(n + 1)]
+    points = conventions.all_boundaries(n)
     final = CapturePoint.final("post")
     engine = HFEngine(target_dir, [*points, final], dtype, device)
     try:

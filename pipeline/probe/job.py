@@ -79,7 +79,7 @@ def _check_fits(draft: ForeignDraft, tcfg: dict, target: str) -> None:
 
 def _given(points, num_aux: int, n: int) -> tuple[int, ...]:
     """A candidate from the config: ascending residual boundaries, one per slot of the draft."""
-    aux = tuple(p.validate_for(n).boundary(n) for p in points)
+    aux = tuple(conventions.boundary(p, n) for p in points)
     if len(aux) != num_aux or None in aux or list(aux) != sorted(set(aux)):  # type: ignore[type-var]
         raise ForeignDraftError(f"candidate {[str(p) for p in points]}: the draft has {num_aux} slots; give that many "
                                 "residual-stream points (embedding, layer outputs), ascending and distinct")
@@ -142,7 +142,7 @@ def _report(cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dic
     pooled = {s.aux: inf.pooled(s) for s in inf.ranked}
     claimed = []
     for points, who in readings.items():
-        aux = tuple(p.boundary(n) for p in points)
+        aux = tuple(conventions.boundary(p, n) for p in points)
         claimed.append({"read_by": who, "points": [str(p) for p in points],
                         "boundaries": [conventions.boundary_label(p, n) for p in points],
                         "agreement": round(pooled[aux], 4) if aux in pooled else None,

@@ -99,7 +99,7 @@ def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux
     def add(points: Sequence[CapturePoint] | None, why: str) -> None:
         if points is None or len(points) != num_aux:
             return
-        aux = tuple(p.boundary(n) for p in points)
+        aux = tuple(conventions.boundary(p, n) for p in points)
         if None not in aux and _ascending(aux):  # type: ignore[arg-type]
             out.setdefault(aux, []).append(why)  # type: ignore[arg-type]
 

@@ -27,6 +27,7 @@ import re
 from datetime import UTC, datetime
 
 from pipeline.cluster import init_ray
+from pipeline.data.conversations import row_digest
 from pipeline.data.source import scan_source
 from pipeline.extract.job import build_schema, extraction_json, run_extract
 from pipeline.extract.worker import fingerprint_dataset
@@ -98,10 +99,6 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def row_digest(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def seen_digests(uri: str, s3=None) -> set[str]:
     fs, root = resolve(uri, s3)
     return set(json.loads(read_bytes(fs, join(root, SEEN_FILE))))
@@ -113,7 +110,8 @@ def new_rows(cfg: RetrainConfig, seen: set[str]) -> tuple[int, list[bytes], set[
     fresh, digests = [], set()
     for row in scan.rows:
         d = row_digest(row.data)
-        if d not in seen and d not in digests:
+        # seen.json files written before rows were identified by their data hold byte digests
+        if d not in seen and d not in digests and hashlib.sha256(row.data).hexdigest() not in seen:
             fresh.append(row.data)
         digests.add(d)
     return len(scan.rows), fresh, digests

@@ -53,8 +53,8 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
     post = [p for p in finals if p.norm == "post"]
     if post:
         final, needs_norm = post[0], False
-    elif finals or any(p.boundary(n) == n for p in have):
-        final, needs_norm = next(p for p in have if p.boundary(n) == n), True
+    elif finals or any(conventions.boundary(p, n) == n for p in have):
+        final, needs_norm = next(p for p in have if conventions.boundary(p, n) == n), True
     else:
         raise ProvenanceMismatch(
             f"dataset {reader.uri} has no final state (final:post_norm or final:pre_norm): the training targets "
@@ -66,10 +66,10 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
         if missing:
             raise ProvenanceMismatch(f"dataset {reader.uri} lacks the configured aux points {missing}; it holds {[str(p) for p in have]}")
     else:
-        aux = [p for p in have if p.kind != "final" and p.boundary(n) != n]
+        aux = [p for p in have if p.kind != "final" and conventions.boundary(p, n) != n]
     if not aux:
         raise ProvenanceMismatch(f"dataset {reader.uri} has no residual-stream points to train on")
-    ordered = sorted(aux, key=lambda p: p.sort_key(n))
+    ordered = sorted(aux, key=lambda p: conventions.sort_key(p, n))
     return ordered, final, needs_norm
 
 

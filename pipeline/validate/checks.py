@@ -135,7 +135,7 @@ def feed_vs_rule(measured: list[CapturePoint | None], predicted: list[CapturePoi
     lines = []
     for s, m in enumerate(measured):
         p = predicted[s] if s < len(predicted) else None
-        if m is not None and (p is None or m.boundary(n) != p.boundary(n)):
+        if m is not None and (p is None or conventions.boundary(m, n) != conventions.boundary(p, n)):
             said = label(p, n) if p is not None else "no tensor"
             lines.append(f"{rule.name} feeds {label(m, n)} to slot {s}; Strata's rule table predicted {said} "
                          f"({rule.source}): fix the table")

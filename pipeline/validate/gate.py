@@ -48,7 +48,8 @@ def check_slots(
                         f"{len(trained)} slots)")
             out.append(SlotCheck(slot=s, trained=t, fed=None, errors=errs, best=best, ok=False, message=msg, **extra))
             continue
-        fkey = str(conventions.boundary_point(f.boundary(n), n)) if f.boundary(n) is not None else str(f)
+        fk = conventions.boundary(f, n)
+        fkey = str(f) if fk is None else str(conventions.boundary_point(fk, n))
         fed_err = errs[fkey]
         others = [e for k, e in errs.items() if k != fkey]
         ok = fed_err <= tol.match_rel_l2 and all(e >= tol.neighbour_factor * fed_err for e in others)
@@ -56,7 +57,7 @@ def check_slots(
             msg = f"slot {s}: fed {label(f, n)}, matches its training values (rel L2 {fed_err:.4f})"
         elif errs[best] <= tol.match_rel_l2:
             bp = CapturePoint.parse(best)
-            shift = _position(f, n) - _position(bp, n)
+            shift = conventions.position(f, n) - conventions.position(bp, n)
             msg = (f"slot {s} is fed {label(f, n)} (rel L2 {fed_err:.3f} vs its training values), but the draft was "
                    f"trained on {label(t, n)}, whose values match {label(bp, n)} (rel L2 {errs[best]:.4f})"
                    + (f": shifted by {shift:+d}" if shift else ""))
@@ -66,12 +67,6 @@ def check_slots(
                    f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance")
         out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg, **extra))
     return out
-
-
-def _position(p: CapturePoint, n: int) -> int:
-    """Index along the forward pass: r_0..r_N, then final post-norm at N+1."""
-    b = p.boundary(n)
-    return n + 1 if b is None else b
 
 
 def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str, release: str = conventions.NEWEST,

@@ -325,7 +325,7 @@ def _measured_feed(cfg: ValidateConfig, fp: Fingerprints, engine: TargetEngine, 
     import torch
 
     # Every residual boundary the engine captures (engines never feed post-norm states).
-    keys = [str(p) for p in engine.points if p.boundary(n) is not None]
+    keys = [str(p) for p in engine.points if conventions.boundary(p, n) is not None]
     offsets = [sum(fp.lengths[:i]) for i in range(len(fp.lengths))]
     ps = acceptance.prompts(cfg, fp)
     seqs = [p + out for p, out in zip(ps, served.outputs, strict=True)]

@@ -141,7 +141,7 @@ def heatmap(r: ValidationReport, n: int, path: Path) -> None:
     ax.set_yticks(range(len(r.slots)), [f"slot {s.slot}\ntrained {conventions.boundary_label(s.trained, n)}" for s in r.slots])
     for s in r.slots:
         if s.fed is not None:
-            k = s.fed.boundary(n)
+            k = conventions.boundary(s.fed, n)
             x = names.index("final:post_norm") if k is None else k
             ax.add_patch(plt.Rectangle((x - 0.5, s.slot - 0.5), 1, 1, fill=False, ec="red" if not s.ok else "white", lw=2.5))
         for j, v in enumerate(m[s.slot]):

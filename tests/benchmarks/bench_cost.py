@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _results import save_result  # noqa: E402
 
-from pipeline.conventions import AUX_KEY, boundary_point, draft_config_feeding  # noqa: E402
+from pipeline.conventions import AUX_KEY, draft_config_feeding, shifted  # noqa: E402
 from pipeline.demo import ensure_demo, regenerate_demo  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.pretrain import RECORD  # noqa: E402
@@ -46,7 +46,7 @@ from schemas.validation import ValidateConfig  # noqa: E402
 LAYERS = 12
 # Wrong configurations as the capture points they make vLLM feed, from the trained points.
 MISCONFIGURED = {"incident: embedding inserted, last slot dropped": lambda pts: [CapturePoint.embedding(), *pts[:-1]],
-                 "every slot shifted +1": lambda pts: [boundary_point(p.boundary(LAYERS) + 1, LAYERS) for p in pts]}
+                 "every slot shifted +1": lambda pts: shifted(pts, 1, LAYERS)}
 
 
 def draft(root: Path, data: str) -> tuple[Path, dict, float]:

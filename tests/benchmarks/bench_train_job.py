@@ -161,7 +161,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=None, help="directory for the target and dataset (cached) and outputs")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--loadings", default="worker,ray_data",
+                    help="the job's data loadings to time, comma-separated (worker, ray_data)")
     a = ap.parse_args()
+    loadings = a.loadings.split(",")
+    if not loadings or not set(loadings) <= {"worker", "ray_data"}:
+        ap.error(f"--loadings {a.loadings!r}: pick from worker, ray_data")
     work = Path(a.work or Path(tempfile.gettempdir()) / "strata-bench-train-job")
     work.mkdir(parents=True, exist_ok=True)
     cpus = os.cpu_count() or 2
@@ -179,29 +184,30 @@ def main() -> None:
     for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
         plain.append(local.plain())
         ds_alone.append(local.deepspeed())
-        jobs.append(run_job(cfg(f"r{r}"), work))
-        ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
-        print(f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}, job {jobs[-1]['tokens_per_s']:.0f}, "
-              f"job with ray_data loading {ray_data_jobs[-1]['tokens_per_s']:.0f}", flush=True)
+        if "worker" in loadings:
+            jobs.append(run_job(cfg(f"r{r}"), work))
+        if "ray_data" in loadings:
+            ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
+        print(f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}"
+              + "".join(f", {name} {runs[-1]['tokens_per_s']:.0f}" for name, runs in
+                        (("job", jobs), ("job with ray_data loading", ray_data_jobs)) if runs), flush=True)
     med = statistics.median
+    timed = {name: runs for name, runs in (("job", jobs), ("job_ray_data_loading", ray_data_jobs)) if runs}
     result = {
         "benchmark": "train_job", "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
         "conversations": a.conversations, "steps": a.steps, "tokens_per_step": local.tokens / len(local.batches),
         "torch_threads": threads, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "plain_tokens_per_s": spread(plain), "deepspeed_tokens_per_s": spread(ds_alone),
-        "job_tokens_per_s": spread([j["tokens_per_s"] for j in jobs]),
-        "job_wall_s": spread([j["wall_s"] for j in jobs]),
-        "job_ray_data_loading_tokens_per_s": spread([j["tokens_per_s"] for j in ray_data_jobs]),
-        "job_ray_data_loading_wall_s": spread([j["wall_s"] for j in ray_data_jobs]),
-        "job_windows": jobs, "job_ray_data_loading_windows": ray_data_jobs,
+        **{f"{name}_tokens_per_s": spread([j["tokens_per_s"] for j in runs]) for name, runs in timed.items()},
+        **{f"{name}_wall_s": spread([j["wall_s"] for j in runs]) for name, runs in timed.items()},
+        **{f"{name}_windows": runs for name, runs in timed.items()},
         "ratios": {
-            "job_over_plain": med(j["tokens_per_s"] for j in jobs) / med(plain),
-            "job_ray_data_loading_over_plain": med(j["tokens_per_s"] for j in ray_data_jobs) / med(plain),
+            **{f"{name}_over_plain": med(j["tokens_per_s"] for j in runs) / med(plain) for name, runs in timed.items()},
             "deepspeed_over_plain": med(ds_alone) / med(plain),
-            "job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
-            # what a user pays for the whole run against the plain loop's compute for the same steps
-            "plain_compute_over_job_wall": (a.steps * local.tokens / len(local.batches) / med(plain))
-            / med(j["wall_s"] for j in jobs),
+            **({"job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
+                # what a user pays for the whole run against the plain loop's compute for the same steps
+                "plain_compute_over_job_wall": (a.steps * local.tokens / len(local.batches) / med(plain))
+                / med(j["wall_s"] for j in jobs)} if jobs else {}),
         },
         "note": "job: python -m pipeline.cli train (Ray Train, 1 worker), steady state = median of "
                 "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "

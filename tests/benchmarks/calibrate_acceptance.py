@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _results import save_result  # noqa: E402
 
-from pipeline.conventions import boundary_point, default_aux_points, draft_config_feeding  # noqa: E402
+from pipeline.conventions import default_aux_points, draft_config_feeding, shifted  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.pretrain import PretrainRecipe, trained_tiny_target  # noqa: E402
 from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
@@ -98,9 +98,9 @@ def main() -> None:
         target, art, n = train_draft(name, root)
         manifest = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text())
         trained = manifest.aux_capture_points
-        shifted = draft_config_feeding(json.loads((art / "config.json").read_text()),
-                                       [boundary_point(p.boundary(n) + 1, n) for p in trained], "vllm", n)
-        (root / "shifted.json").write_text(json.dumps(shifted))
+        shifted_cfg = draft_config_feeding(json.loads((art / "config.json").read_text()),
+                                           shifted(trained, 1, n), "vllm", n)
+        (root / "shifted.json").write_text(json.dumps(shifted_cfg))
         rows = [{"config": "correct", **case(art, target, dtype, p, t, None)}
                 for dtype in ("float32", "bfloat16") for p, t in PROMPT_SETS]
         rows.append({"config": "every slot shifted +1", **case(art, target, "float32", 6, 16, root / "shifted.json")})
