@@ -222,9 +222,10 @@ class VLLMEngine(TargetEngine):
         eng = shared("plain", self.model_dir, **kw) if draft_dir is None else \
             shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
         eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
-        marks = [eng.spec_metrics()]
+        counters = dict if draft_dir is None else eng.spec_metrics  # a plain engine has none to read
+        marks = [counters()]
         outs, prefill, total = time_decode(eng.generate_tokens, prompts, max_new_tokens,
-                                              after_each=lambda: marks.append(eng.spec_metrics()))
+                                              after_each=lambda: marks.append(counters()))
         if draft_dir is None:
             return DecodeTiming(outs, prefill, total, None)
         stats = [spec_stats(a, b, k) for a, b in zip(marks, marks[1:], strict=False)]

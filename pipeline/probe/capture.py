@@ -37,8 +37,7 @@ def capture_boundaries(target_dir: str | Path, prompts: list[list[int]], dtype: 
     from pipeline.engines.hf import HFEngine
 
     n = int(text_config(target_config(target_dir))["num_hidden_layers"])
-    points = conventions.all_boundaries(n)
-    final = CapturePoint.final("post")
+    *points, final = conventions.all_boundaries(n)  # r_0 .. r_N, then the post-norm state the head reads
     engine = HFEngine(target_dir, [*points, final], dtype, device)
     try:
         got = engine.capture_tensors(prompts)
