@@ -36,6 +36,8 @@ def _load_cache() -> dict:
 
 
 def _save_cache(cache: dict) -> None:
+    # entries for files that are gone (temporary targets, test runs) would only grow the file
+    cache = {k: v for k, v in cache.items() if os.path.exists(k.rsplit("|", 2)[0])}
     p = _cache_path()
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(f".tmp{os.getpid()}")

@@ -27,7 +27,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
 # Ray rewrites 127.0.0.1 to the node's routable IP when connecting; keep test traffic on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("STRATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"strata-test-cache-{os.getpid()}"))
+# One cache per machine, not per run: the trained tiny target (~2 min) is built once. Its key covers
+# the recipe, the corpus and the torch/transformers releases (pipeline.pretrain.cache_key).
+os.environ.setdefault("STRATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "strata-test-cache"))
 
 
 def require(component: str, available: bool, why: str = "") -> None:

@@ -53,9 +53,13 @@ def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_r
 
 
 def _agree(a: dict, b: dict, z: float = 3.0) -> None:
-    """Two measurements of one mean acceptance length agree within z combined standard errors."""
+    """Two measurements of one mean acceptance length agree within z combined standard errors --
+    exactly, where every prompt accepted alike (no noise: a draft that predicts the target's short
+    answers perfectly has a standard error of 0)."""
     se = (a["se"] ** 2 + b["se"] ** 2) ** 0.5
-    assert se > 0 and abs(a["mean_acceptance_length"] - b["mean_acceptance_length"]) <= z * se, (a, b)
+    diff = abs(a["mean_acceptance_length"] - b["mean_acceptance_length"])
+    what = [(m.get("measured_by"), m["mean_acceptance_length"], m["se"], m.get("verify_steps")) for m in (a, b)]
+    assert diff <= z * se if se > 0 else diff == 0, what
 
 
 def validate(run, target, tmp_path, ids=None, **kw):
@@ -115,7 +119,7 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
         assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                                                                rel=1e-2)
     for r in (written, fixed):
-        assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["mean_acceptance_length_se"] > 0
+        assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["mean_acceptance_length_se"] is not None
         assert r["decode_tokens_per_s_se"] > 0
     # Generations stop at the end of the assistant turn, as served (a cap of 32 tokens otherwise).
     assert 0 < base["ended_turn"] <= 8 and base["new_tokens"] < 8 * 32

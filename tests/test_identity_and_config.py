@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 
@@ -52,6 +53,19 @@ def test_weight_digest_is_cached_by_path_size_mtime(tmp_path):
     assert file_sha256(f) == d1
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     assert file_sha256(f) != d1                     # changed mtime: hashed again
+    # Files that are gone leave the cache at its next write, so it does not grow run after run.
+    from pipeline.identity import _cache_path
+
+    gone = tmp_path / "gone.safetensors"
+    gone.write_bytes(b"c")
+    file_sha256(gone)
+    gone.unlink()
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"d")
+    file_sha256(other)
+    keys = json.loads(_cache_path().read_text())
+    assert not any(k.startswith(str(gone.resolve()) + "|") for k in keys)
+    assert any(k.startswith(str(other.resolve()) + "|") for k in keys)
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):

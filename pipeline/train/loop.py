@@ -61,7 +61,7 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
         if rank == 0:
             log.info("resumed from %s at step %d", plan.resume_from, step)
     history = MetricsLog(cfg.output, cfg.s3, step if plan.resume_from else None)
-    window = MetricsWindow(cfg.ttt_steps)
+    window = MetricsWindow(cfg.ttt_steps, trainer.device)
     refs = [SampleRef(**r) for r in plan.train_refs]
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0)
     last: dict = {}

@@ -16,27 +16,26 @@ METRICS_FILE = "metrics.jsonl"
 
 
 class StepSums:
-    """Per-TTT-position sums of loss and accuracy, all-reduced across workers when read."""
+    """Per-TTT-position sums of loss and accuracy, kept on the training device (copying them to the
+    host every step would make each step wait for the GPU) and all-reduced across workers when read."""
 
-    def __init__(self, steps: int):
-        self.loss = torch.zeros(steps, dtype=torch.float64)
-        self.correct = torch.zeros(steps, dtype=torch.float64)
-        self.counted = torch.zeros(steps, dtype=torch.float64)
+    def __init__(self, steps: int, device: torch.device | str = "cpu"):
+        self.sums = torch.zeros(3, steps, dtype=torch.float64, device=device)  # loss, correct, counted
         self.n = 0
         self.tokens = 0
 
     def add(self, out, tokens: int) -> None:
-        self.loss += out.step_loss.double().cpu()
-        self.correct += out.correct.double().cpu()
-        self.counted += out.counted.double().cpu()
+        self.sums += torch.stack([out.step_loss.detach(), out.correct, out.counted]).double()
         self.n += 1
         self.tokens += tokens
 
     def reduce(self) -> dict:
-        t = torch.cat([self.loss, self.correct, self.counted, torch.tensor([self.n, self.tokens], dtype=torch.float64)])
+        extra = torch.tensor([self.n, self.tokens], dtype=torch.float64, device=self.sums.device)
+        t = torch.cat([self.sums.flatten(), extra])
         if dist.is_initialized():
             dist.all_reduce(t)
-        s = self.loss.numel()
+        t = t.cpu()  # the window's one host copy
+        s = self.sums.shape[1]
         loss, correct, counted, (n, tokens) = t[:s], t[s : 2 * s], t[2 * s : 3 * s], t[3 * s :].tolist()
         acc = (correct / counted.clamp(min=1)).tolist()
         return {
@@ -49,12 +48,12 @@ class MetricsWindow:
     """Sums and timings since the last report: throughput, and how the wall time split between
     computing and waiting for data."""
 
-    def __init__(self, ttt_steps: int):
-        self.ttt_steps = ttt_steps
+    def __init__(self, ttt_steps: int, device: torch.device | str = "cpu"):
+        self.ttt_steps, self.device = ttt_steps, device
         self._start(data_wait_s=0.0)
 
     def _start(self, data_wait_s: float) -> None:
-        self.sums = StepSums(self.ttt_steps)
+        self.sums = StepSums(self.ttt_steps, self.device)
         self.compute_s = 0.0
         self.t0 = time.perf_counter()
         self.wait_at_start = data_wait_s

@@ -145,7 +145,7 @@ class Trainer:
             return {}
         batches = plan_epoch(refs, self.cfg.batch_tokens, 1, self.cfg.seed, 0)
         mine = [[b[0]] for i, b in enumerate(batches) if i % world == rank]
-        sums = StepSums(self.cfg.ttt_steps)
+        sums = StepSums(self.cfg.ttt_steps, self.device)
         self.engine.eval()
         stream = BatchStream(self.cfg.dataset, self.cfg.s3, refs, mine, 0, 0, self.aux, self.final, use_ray=False)
         for _, batch in stream:
