@@ -73,13 +73,17 @@ class DecodeTiming:
                                                                      strict=True)]
 
     @property
+    def decode_tokens(self) -> int:
+        """Every token after each prompt's first (which comes with the prefill)."""
+        return sum(n for n, _ in self._decode())
+
+    @property
     def decode_seconds(self) -> float:
         return sum(s for _, s in self._decode())
 
     @property
     def decode_tokens_per_s(self) -> float:
-        d = self._decode()
-        return sum(n for n, _ in d) / max(sum(s for _, s in d), 1e-9)
+        return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
     @property
     def decode_tokens_per_s_se(self) -> float | None:
@@ -88,7 +92,7 @@ class DecodeTiming:
         d = self._decode()
         if len(d) < 2:
             return None
-        r, secs = self.decode_tokens_per_s, sum(s for _, s in d)
+        r, secs = self.decode_tokens_per_s, self.decode_seconds
         return math.sqrt(len(d) / (len(d) - 1) * sum((tok - r * s) ** 2 for tok, s in d)) / secs
 
 

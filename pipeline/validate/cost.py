@@ -43,7 +43,7 @@ def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, sto
            "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None}
     # What one engine step costs after the prefill (a verify step with a draft, one token without):
     # speed-up = mean acceptance length x plain step / verify step.
-    steps = acc.get("verify_steps") if acc else t.new_tokens - len(t.outputs)
+    steps = acc.get("verify_steps") if acc else t.decode_tokens
     row["decode_ms_per_step"] = round(1000 * t.decode_seconds / steps, 3) if steps else None
     if base is not None:
         row["speedup_vs_no_speculation"] = round(t.decode_tokens_per_s / base.decode_tokens_per_s, 3)
