@@ -97,6 +97,55 @@ def test_a_capture_handed_into_the_layer_is_unknown_at_layer_zero_unless_the_lay
     assert r.embedding is None and "not read" in r.why
 
 
+def test_a_forward_that_hands_on_to_super_is_read_in_the_base_class():
+    """SGLang's TeleFLMModel and vLLM's MistralModel override forward only to return
+    ``super().forward(...)``: the base class's loop is what runs."""
+    base = model_file('''
+        for i in range(self.start_layer, self.end_layer):
+            if i in self.layers_to_capture:
+                aux_hidden_states.append(hidden_states + residual if residual is not None else hidden_states)
+            hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
+    ''')
+    files = {**base._files, "sglang/srt/models/sub.py": textwrap.dedent('''
+        from sglang.srt.models.m import Model
+        class Sub(Model):
+            def forward(self, input_ids, positions, forward_batch):
+                return super().forward(input_ids * 2, positions, forward_batch)
+    ''')}
+    code = ReleasedCode.from_files("sglang", "0", files)
+    r = capture_range(CodeIndex(code, "sglang/srt/models/"), "sglang.srt.models.sub:Sub", "layers_to_capture")
+    assert (r.embedding, r.ids_are_boundaries, r.why) == (True, True, "")
+
+
+def test_a_capture_handed_into_a_layer_of_the_base_class_module_is_followed():
+    """SGLang 0.5.23's Qwen3-VL language model loops in qwen3_vl.py but its layers are qwen3.py's,
+    which hand the collector to the shared ``attn_boundary.prepare`` (safe at layer 0)."""
+    files = {
+        "sglang/srt/layers/layer_boundary/stage.py": "def prepare(hidden_states, capture=None):\n    pass\n",
+        "sglang/srt/models/base.py": textwrap.dedent('''
+            class Layer:
+                def forward(self, positions, hidden_states, forward_batch, capture_output=None):
+                    hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
+                    return hidden_states
+            class BaseModel:
+                def __init__(self, config):
+                    self.layers = [Layer() for _ in range(4)]
+        '''),
+        "sglang/srt/models/vl.py": textwrap.dedent('''
+            from sglang.srt.models.base import BaseModel
+            class VLModel(BaseModel):
+                def forward(self, input_ids, positions, forward_batch):
+                    hidden_states, aux = input_ids, []
+                    for layer_idx, layer in enumerate(self.layers):
+                        capture_output = aux.append if layer_idx in self.layers_to_capture else None
+                        hidden_states = layer(positions, hidden_states, forward_batch, capture_output=capture_output)
+                    return hidden_states, aux
+        ''')}
+    code = ReleasedCode.from_files("sglang", "0", files)
+    r = capture_range(CodeIndex(code, "sglang/srt/models/"), "sglang.srt.models.vl:VLModel", "layers_to_capture")
+    assert (r.embedding, r.why) == (True, "")
+
+
 SET_IDS = '''
 class Inner:
     def forward(self, input_ids, positions, forward_batch):
@@ -185,6 +234,13 @@ def test_vllm_readers_of_the_newest_release():
     assert rel.readers["v1"].keys[:2] == ("top", "nested")
     assert "nested" not in rel.readers["v2"].keys and rel.readers["v2"].keys[0] == "top"
     assert rel.readers["v2"].shifts["dflash"] == 1
+    # DSpark's key: a V2 fallback after dflash's (+1, capture-after ids), unknown to V1
+    v2 = rel.readers["v2"].keys
+    assert rel.readers["v2"].shifts["dspark"] == 1
+    # precedence as the reader's `if not layer_ids:` chain runs; nested layer_ids comes last
+    assert v2 == ("top", "dflash", "dspark", "target_layer_ids", "layer_ids")
+    assert rel.readers["v1"].keys == ("top", "nested", "dflash")  # V1: the nested key overrides dflash's
+    assert "dspark" not in rel.readers["v1"].keys
 
 
 def test_submodules_are_followed_through_annotations_factories_and_init_helpers():

@@ -62,6 +62,32 @@ def test_architectures_decide_the_rule_and_wrappers_without_a_hook_cannot_serve(
             cv.engine_family("sglang", {"architectures": [arch]})
 
 
+def test_vllm_wrappers_that_hand_the_ids_to_the_checkpoints_text_model_use_its_rule():
+    """vLLM's Llava / Mistral3 / Pixtral build their language model from the checkpoint's
+    ``text_config`` (no ``architectures`` in the code): the derivation runs the wrapper's released
+    ``set_aux_hidden_state_layers`` on a stand-in text model and finds the ids handed on unchanged,
+    so the text architecture's row decides -- from the release that made the wrapper SupportsEagle3."""
+    def cfg(wrapper, text):
+        return {"architectures": [wrapper], "text_config": {"architectures": [text]}}
+
+    assert cv.engine_family("vllm", cfg("LlavaForConditionalGeneration", "LlamaForCausalLM")) == "LlamaForCausalLM"
+    assert cv.engine_family("vllm", cfg("Mistral3ForConditionalGeneration", "MistralForCausalLM")) == "MistralForCausalLM"
+    family = cv.engine_family("vllm", cfg("PixtralForConditionalGeneration", "MistralForCausalLM"))
+    assert cv.points_read_from([2, 30, 58], "vllm", N, family, "0.33.0") == loop(2, 30, 58)
+    wrappers = [r for r in cv.releases.RULES if r.engine == "vllm" and r.architecture == "LlavaForConditionalGeneration"]
+    assert wrappers and all(r.text_model for r in wrappers)
+    assert min(cv.releases.release_tuple(r.first) for r in wrappers) > (0, 14, 0)  # 0.14 Llava: not SupportsEagle3
+    with pytest.raises(cv.ConventionError, match="text_config names \\(NoSuchForCausalLM\\)"):
+        cv.engine_family("vllm", cfg("LlavaForConditionalGeneration", "NoSuchForCausalLM"))
+
+
+def test_sglang_qwen3_vl_language_model_captures_the_embedding_through_its_base_layers():
+    """0.5.23's Qwen3-VL family loops in qwen3_vl.py over qwen3.py's layers, which hand the collector
+    to the shared attention-boundary ``prepare`` (it captures the embedding at layer 0)."""
+    for arch in ("Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration"):
+        assert cv.points_read_from([-1, 29], "sglang", N, arch, "0.5.23") == [E, O(29)]
+
+
 def test_embedding_via_minus_one_by_release():
     # qwen2/qwen3: `hidden_states + residual if residual is not None else hidden_states` (all releases)
     for rel in ("0.5.2", "0.5.23"):
@@ -147,6 +173,9 @@ def test_vllm_keys_by_release_and_runner():
     # ...but both fall back to DFlash's `target_layer_ids` (+1: "convert DFlash's aux layer id semantics")
     dflash = {"dflash_config": {"target_layer_ids": [1, 29, 57]}}
     assert cv.ids_in_draft_config(dflash, "vllm", "0.33.0", runner="v2")[0] == [2, 30, 58]
+    dspark = {"dspark_target_layer_ids": [1, 29, 57]}
+    assert cv.ids_in_draft_config(dspark, "vllm", "0.33.0", runner="v2")[0] == [2, 30, 58]
+    assert cv.ids_in_draft_config(dspark, "vllm", "0.33.0", runner="v1")[0] is None
     assert cv.ids_in_draft_config({"eagle_config": {"layer_ids": [2, 30, 58]}}, "vllm", "0.33.0",
                                   runner="v2")[0] == [2, 30, 58]
     # 0.11 ignores the draft's ids altogether

@@ -295,6 +295,34 @@ def test_llama_misconfigurations_are_blocked_by_the_measurement_with_the_fix(lla
     assert any("eagle_config.eagle_aux_hidden_state_layer_ids" in x and "[1, 3, 5]" in x for x in r.reasons), r.reasons
 
 
+def test_without_a_rule_for_the_installed_release_the_measurement_decides(llama, monkeypatch):
+    """A rule table that knows no SGLang release SGLang runs here: no id list is known to make it
+    capture a boundary, so HF transformers captures the reference boundaries and SGLang only
+    serves. The correct ids pass and every id +1 is blocked, both on the measured feed alone,
+    with one note saying how to derive the rule."""
+    from pipeline.conventions import releases
+    from pipeline.engines.hf import HFEngine
+    from pipeline.validate.job import decide, load_case
+    from pipeline.validate.replay import open_replay_engine
+
+    monkeypatch.setattr(releases, "RULES", tuple(x for x in releases.RULES if not (
+        x.engine == "sglang" and x.covers(RELEASE))))
+    engine, owned = open_replay_engine(llama.cfg(), LAYERS)
+    try:
+        assert owned and isinstance(engine.reference, HFEngine) and engine.process_groups == []
+        assert len(engine.points) == LAYERS + 1  # r_0..r_N, whatever SGLang itself could capture
+        ok = decide(load_case(llama.cfg([1, 3, 5])), engine)
+        assert ok.decision == "pass", ok.reasons
+        _assert_measured(ok, [2, 4, 6])
+        assert ok.engine_reads["rule"] is None and "derive --engine sglang --release 0.5.18" in ok.engine_reads["note"]
+        wrong = decide(load_case(llama.cfg([2, 4, 6])), engine)
+        assert wrong.decision == "block"
+        _assert_measured(wrong, [3, 5, 7])
+        assert any("no derived rule for sglang 0.5.18" in x for x in wrong.reasons), wrong.reasons
+    finally:
+        engine.close()
+
+
 def test_llama_embedding_inserted_cannot_even_be_served_by_0_5_18(llama):
     """Id -1 (the embedding) in SGLang 0.5.18's llama.py: the rule table says it cannot be captured
     before 0.5.22, so the config is refused before anything is served -- and served anyway, SGLang
@@ -414,7 +442,7 @@ def test_the_demo_chapter_blocks_the_incident_on_sglang(llama, chapter):
     +1 in SGLang's labelling -- are blocked by the measured feed, with the fix; both verdicts land
     in the registry."""
     from pipeline.registry.registry import Registry
-    from pipeline.registry.store import LocalStore
+    from pipeline.store.objects import LocalStore
 
     root, ok, reports, text = chapter
     assert ok, text

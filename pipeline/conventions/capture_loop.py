@@ -5,8 +5,11 @@ Both engines capture with the same shape of code: inside ``for i in range(start,
 or after the loop (``self.start_layer``: the embedding; ``self.end_layer``: r_N). Where a site
 stands relative to the layer call says which stream it sees: before layer i runs it is r_i,
 after it r_{i+1}. The embedding is capturable only where that site copes with ``residual is
-None`` (``hidden_states + residual`` raises at layer 0). A capture handed *into* the layer is
-not followed: its layer-0 behaviour is reported as unknown, never guessed.
+None`` (``hidden_states + residual`` raises at layer 0). A forward that only returns
+``super().forward(...)`` is read in the base class that defines the loop. A capture handed
+*into* the layer is followed one step, into a layer forward of the model's own module or of a
+base class's module (where a subclass borrows its layers); beyond that its layer-0 behaviour is
+reported as unknown, never guessed.
 """
 
 from __future__ import annotations
@@ -82,8 +85,24 @@ def _residual_safe(stmt: ast.AST) -> bool | None:
     return True if appends else None
 
 
+def _loop_forward(index: CodeIndex, key: str) -> tuple[ClassInfo, ast.FunctionDef] | None:
+    """The forward that runs the layer loop: the class's own, or -- while a forward only hands
+    on to ``super().forward`` -- the next one up the MRO."""
+    found = None
+    for info in index.mro(key):
+        fn = info.own_method("forward")
+        if fn is None:
+            continue
+        found = found or (info, fn)
+        if not any(isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "forward" and
+                   isinstance(n.func.value, ast.Call) and getattr(n.func.value.func, "id", "") == "super"
+                   for n in ast.walk(fn)) or any(isinstance(n, ast.For) for n in ast.walk(fn)):
+            return info, fn
+    return found
+
+
 def capture_range(index: CodeIndex, key: str, attr: str) -> CaptureRange:
-    found = index.method(key, "forward")
+    found = _loop_forward(index, key)
     if found is None:
         return CaptureRange(None, False, False, False, f"{key} has no forward to read")
     info, fn = found
@@ -99,12 +118,13 @@ def capture_range(index: CodeIndex, key: str, attr: str) -> CaptureRange:
     for stmt in _capture_statements(loop, attr):
         for expr in _tests(stmt, attr):
             off = _offset(expr, var)
-            handed = call is not None and any(_within(expr, a) for a in _call_args(call))
+            via = _handed_name(stmt, call)  # ``capture = aux.capture if i in ids else None; layer(..., kw=capture)``
+            handed = via is not None or (call is not None and any(_within(expr, a) for a in _call_args(call)))
             seen = 1 if call is not None and not handed and expr.lineno > call.end_lineno else 0  # r_i before layer i, r_{i+1} after
             if off is None or seen != off:
                 shifted.append(ast.unparse(expr))
             elif seen == 0:                    # this site also sees the embedding, at i = 0
-                embedding = _handed_layer0(index, info, _keyword_of(call, expr)) if handed else _residual_safe(stmt)
+                embedding = _handed_layer0(index, info, via or _keyword_of(call, expr)) if handed else _residual_safe(stmt)
             else:                              # i + 1 after the last layer: r_N
                 final = True
     inside = {id(n) for n in ast.walk(loop)}
@@ -159,6 +179,15 @@ SAFE_SHARED_CAPTURES = {
 }
 
 
+def _handed_name(stmt: ast.stmt, call: ast.Call | None) -> str | None:
+    """The layer call's keyword that receives the collector a capture statement assigned to a name."""
+    if call is None or not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1 or \
+            not isinstance(stmt.targets[0], ast.Name) or _contains(stmt, call):  # the layer call's own result
+        return None
+    name = stmt.targets[0].id
+    return next((k.arg for k in call.keywords if isinstance(k.value, ast.Name) and k.value.id == name), None)
+
+
 def _keyword_of(call: ast.Call | None, expr: ast.expr) -> str | None:
     for k in call.keywords if call is not None else ():
         if _within(expr, k.value):
@@ -167,12 +196,14 @@ def _keyword_of(call: ast.Call | None, expr: ast.expr) -> str | None:
 
 
 def _handed_layer0(index: CodeIndex, info: ClassInfo, kwarg: str | None) -> bool | None:
-    """Follow a collector handed to the layer as ``kwarg`` one step: into the layer's forward in the
-    same model file, then either its own capture expression or a shared capture site."""
+    """Follow a collector handed to the layer as ``kwarg`` one step: into a layer forward of the
+    model's module (then its bases' modules), then either its own capture expression or a shared
+    capture site."""
     if kwarg is None:
         return None
-    tree = index.trees.get(info.module)
-    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)) if tree else ():
+    modules = list(dict.fromkeys(c.module for c in index.mro(info.key)))  # a subclass may borrow its base's layers
+    fns = [n for m in modules if (tree := index.trees.get(m)) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    for fn in fns:
         if kwarg not in {a.arg for a in fn.args.args + fn.args.kwonlyargs}:
             continue
         for n in ast.walk(fn):

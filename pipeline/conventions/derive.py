@@ -73,7 +73,7 @@ def release_rows(code: ReleasedCode) -> list[dict]:
                 "use_aux_flag": bool(reader and reader.honours_use_aux),
                 "gpu_default": {"dense": d.v2_default_dense, "moe": d.v2_default_moe} if runner == "v2" else None,
                 "source": f"{d.source}; {reader.source if reader else 'no id reader: the model default only'}",
-                "why": d.why})
+                "why": d.why, "text_model": d.text_model})
     return rows
 
 
@@ -86,7 +86,7 @@ def _sglang_row(code: ReleasedCode, d: derive_sglang.Derived) -> dict:
             "serves": d.serves, "id_rule": d.id_rule, "keys": list(SGLANG_KEYS), "key_shifts": {"nested": 0},
             "default_shift": d.default_shift, "embedding": d.embedding, "final": d.final,
             "repeated": d.repeated, "empty": d.empty, "gpu_default": None, "use_aux_flag": _sglang_use_aux(code),
-            "source": d.source, "why": d.why}
+            "source": d.source, "why": d.why, "text_model": False}
 
 
 def _sglang_use_aux(code: ReleasedCode) -> bool:

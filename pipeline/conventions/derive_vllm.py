@@ -5,8 +5,8 @@ here on stand-ins:
 
 - the *id reader* of each model runner -- V1's ``GPUModelRunner._get_eagle3_aux_layers_from_config``,
   Model Runner V2's ``get_eagle3_aux_layers_from_config`` -- called on draft configs holding one
-  key each (top-level, nested ``eagle_config``, the dflash / target_layer_ids / layer_ids
-  fallbacks) and pairs of keys, which gives the keys it reads in precedence order;
+  key each (top-level, nested ``eagle_config``, the dflash / dspark / target_layer_ids /
+  layer_ids fallbacks) and pairs of keys, which gives the keys it reads in precedence order;
 - the *runner choice* ``VllmConfig._is_default_v2_model_runner_model``, called per architecture
   for a dense and an MoE target: where it says yes, a GPU deployment runs V2 unless told not to;
 - each architecture's model class (the registry's ``_TEXT_GENERATION_MODELS`` /
@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import builtins
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 from pipeline.conventions.capture_loop import capture_range
 from pipeline.conventions.engine_code import (
@@ -41,6 +41,10 @@ KEY_CONFIGS = {
     "dflash": {"dflash_config": {"target_layer_ids": IDS}},
     "target_layer_ids": {"target_layer_ids": IDS},
     "layer_ids": {"eagle_config": {"layer_ids": IDS}},
+    # DSpark's key, read as a fallback from 0.33. Its shift is derived for an EAGLE-3 draft's own
+    # model type; V2 reads it unshifted for a ``deepseek_v41`` draft config, which is a DSpark
+    # drafter, not an EAGLE-3 one, so no EAGLE-3 config Strata validates takes that branch.
+    "dspark": {"dspark_target_layer_ids": IDS},
 }
 REGISTRY = "vllm/model_executor/models/registry.py"
 V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
@@ -73,6 +77,10 @@ class Derived:
     v2_default_moe: bool = False
     source: str = ""
     why: str = ""
+    text_model: bool = False            # a wrapper handing the ids to the text_config's architecture
+
+
+TEXT_MODEL_WHY = "hands the ids unchanged to the language model the checkpoint's text_config names"
 
 
 @dataclass
@@ -137,10 +145,11 @@ def derive_reader(code: ReleasedCode, runner: str) -> Reader | None:
     read = list(shifts)
 
     def wins(a: str, b: str) -> bool:   # with both keys present (different ids), whose are read?
-        cfg_a = _with_ids(KEY_CONFIGS[a], [2, 6, 10])
+        # a's first id 3 cannot be b's 1 after any shift of 0 or +1: no tie reads as a win
+        cfg_a = _with_ids(KEY_CONFIGS[a], [3, 7, 11])
         merged = _merge(cfg_a, KEY_CONFIGS[b])
         got = call(merged)
-        return bool(got) and int(list(got)[0]) - shifts[a] == 2
+        return bool(got) and int(list(got)[0]) - shifts[a] == 3
     order = sorted(read, key=lambda k: -sum(wins(k, o) for o in read if o != k))
     empty = not call({AUX: []})
     folder = V1_RUNNER if runner == "v1" else path.rsplit("/", 1)[0] + "/"
@@ -296,6 +305,21 @@ def _registered(index: CodeIndex, table: dict[str, tuple[str, str]], call: ast.C
     return None
 
 
+def _text_config_built(index: CodeIndex, key: str, attr: str) -> bool:
+    """Does ``__init__`` build ``self.<attr>`` with ``init_vllm_registered_model(hf_config=
+    config.text_config)`` and no ``architectures`` -- the checkpoint's text config names the class?"""
+    for info in index.mro(key):
+        init = info.own_method("__init__")
+        for node in ast.walk(init) if init else ():
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) and \
+                    getattr(node.value.func, "id", "") == "init_vllm_registered_model" and any(
+                        isinstance(t, ast.Attribute) and t.attr == attr and getattr(t.value, "id", "") == "self"
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+                kw = {k.arg: k.value for k in node.value.keywords}
+                return "architectures" not in kw and "text_config" in ast.unparse(kw.get("hf_config", ast.Constant(None)))
+    return None
+
+
 class _VllmModel(StandInModel):
     """A vLLM model stand-in. ``get_language_model()`` walks torch submodules in the released code;
     here it is what it returns for a wrapper: the ``language_model`` its ``__init__`` builds."""
@@ -303,7 +327,35 @@ class _VllmModel(StandInModel):
     def __getattr__(self, name: str):
         if name == "get_language_model" and self._key and self._index.method(self._key, name):
             return lambda: self.language_model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "language_model" or not self._key or not _text_config_built(self._index, self._key, name):
+                raise
+        self.__dict__[name] = _CheckpointTextModel(self._index, _mixin(self._index), self._n, self._made)
+        return self.__dict__[name]
+
+
+class _CheckpointTextModel(_VllmModel):
+    """The language model a wrapper builds from the checkpoint's ``text_config``: its class is not
+    in the code, only in the checkpoint. It stands in as an instance of the release's EAGLE-3 model
+    mixin (the released ``_set_aux_hidden_state_layers`` runs), with itself as its ``.model``, so
+    the derivation sees what the wrapper hands its language model; what that model then captures
+    is its own architecture's row, looked up with the target's ``text_config`` (``releases``)."""
+
+    def __getattr__(self, name: str):
+        if name == "model":
+            return self
+        if name == "set_aux_hidden_state_layers":  # the released SupportsEagle3 method, on this model
+            iface = next((k for k, c in self._index.classes.items() if c.name == "SupportsEagle3"), None)
+            found = self._index.method(iface, name) if iface else None
+            if found is not None:
+                return MethodType(self._index.compile(found[0], found[1], self._n), self)
         return super().__getattr__(name)
+
+
+def _mixin(index: CodeIndex) -> str | None:
+    return next((k for k, c in index.classes.items() if c.name == "EagleModelMixin"), None)
 
 
 def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choice) -> Derived:
@@ -327,6 +379,9 @@ def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choi
         return Derived(arch, module, False, why=f"{cls}.set_aux_hidden_state_layers stored no aux_hidden_state_layers")
     if tuple(owner.__dict__["aux_hidden_state_layers"]) != tuple(IDS):
         return Derived(arch, module, False, why=f"{cls} stores ids {IDS} as {owner.__dict__['aux_hidden_state_layers']}")
+    if isinstance(owner, _CheckpointTextModel):  # the ids reach the text model unchanged; it captures by its own row
+        return Derived(arch, module, True, None, False, default, v2[0], v2[1],
+                       f"vllm/model_executor/models/{module}.py {cls}", TEXT_MODEL_WHY, text_model=True)
     reach = capture_range(index, owner._key, "aux_hidden_state_layers")
     return Derived(arch, module, True, reach.embedding, reach.final, default, v2[0], v2[1],
                    f"vllm/model_executor/models/{module}.py {cls}", reach.why)

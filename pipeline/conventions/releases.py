@@ -45,7 +45,8 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 # Where each key a rule may read lives in a draft config.json.
 KEY_PATHS: dict[str, tuple[str, ...]] = {
     "top": (AUX_KEY,), "nested": ("eagle_config", AUX_KEY), "dflash": ("dflash_config", "target_layer_ids"),
-    "target_layer_ids": ("target_layer_ids",), "layer_ids": ("eagle_config", "layer_ids")}
+    "target_layer_ids": ("target_layer_ids",), "layer_ids": ("eagle_config", "layer_ids"),
+    "dspark": ("dspark_target_layer_ids",)}
 WRITABLE_KEYS = ("top", "nested")  # what Strata writes; the rest are other tools' keys engines fall back to
 NEWEST = "newest"
 TABLE = Path(__file__).with_name("rules.json")
@@ -97,6 +98,7 @@ class ReadingRule:
     why: str = ""                   # why it cannot serve, or what was not derived
     runner: Runner | None = None    # vLLM only
     gpu_default: tuple[bool, bool] | None = None  # V2 rows: a GPU picks V2 for a (dense, MoE) target
+    text_model: bool = False        # a wrapper handing the ids to the architecture its text_config names
 
     def covers(self, version: str) -> bool:
         return release_tuple(self.first) <= release_tuple(version) <= release_tuple(self.last)
@@ -130,7 +132,8 @@ def _load(path: Path = TABLE) -> tuple[ReadingRule, ...]:
         key_shifts=tuple(sorted(r["key_shifts"].items())), default_shift=r["default_shift"],
         embedding=r["embedding"], final=r["final"], repeated=r["repeated"], empty=r["empty"],
         use_aux_flag=r["use_aux_flag"], source=r["source"], why=r["why"], runner=r["runner"],
-        gpu_default=(r["gpu_default"]["dense"], r["gpu_default"]["moe"]) if r["gpu_default"] else None)
+        gpu_default=(r["gpu_default"]["dense"], r["gpu_default"]["moe"]) if r["gpu_default"] else None,
+        text_model=r.get("text_model", False))
         for r in table["rules"])
 
 
@@ -167,12 +170,36 @@ def architecture(engine: Engine, target_config: dict, override: str | None = "au
             names = [ARCH_OF_MODEL_TYPE[mt]]
     for name in names:
         if any(r.architecture == name for r in known):
-            return name
+            return _text_model(engine, name, target_config, known)
     raise UnknownRelease(
         f"no {engine} rule is known for architecture {', '.join(names) or '(config.json names none)'}: "
         f"{engine} cannot serve EAGLE-3 for it in any derived release ({', '.join(derived_releases(engine)[::-1][:1])} "
         f"the newest), or it is newer than the table: run python -m pipeline.conventions.derive --all --write, or "
         f"set serving.engine_family to the architecture whose model file serves it")
+
+
+def _text_model(engine: Engine, name: str, target_config: dict, known: list[ReadingRule]) -> str:
+    """A wrapper whose derived rows hand the ids unchanged to the language model its checkpoint's
+    ``text_config`` names (vLLM's Llava, Mistral3, Pixtral): that architecture's rows decide what is
+    captured. Where the wrapper's own default ids differ from the text model's, neither row alone
+    says what a config without ids gets: refused."""
+    wrapper = [r for r in known if r.architecture == name]
+    if not any(r.text_model for r in wrapper):
+        return name
+    text = target_config.get("text_config") or {}
+    inner = list(text.get("architectures") or [])
+    if not inner and (mt := text.get("model_type")) in ARCH_OF_MODEL_TYPE:
+        inner = [ARCH_OF_MODEL_TYPE[mt]]
+    found = next((a for a in inner if any(r.architecture == a and r.serves for r in known)), None)
+    if found is None:
+        raise UnknownRelease(f"{name} hands the draft's ids to the language model its text_config names "
+                             f"({', '.join(inner) or 'none named'}), and no {engine} rule is known for that: set "
+                             "serving.engine_family to the text model's architecture")
+    shifts = {r.default_shift for r in wrapper} | {r.default_shift for r in known if r.architecture == found}
+    if len(shifts) > 1:
+        raise UnknownRelease(f"{name}'s default ids and its text model {found}'s differ in the derived table: "
+                             "give the ids in the draft config and set serving.engine_family to " + found)
+    return found
 
 
 def module_of(engine: Engine, arch: str) -> str:

@@ -13,6 +13,11 @@ prefill: ``[T, n_ids * H]``, slot-major in ascending layer order. It is the same
 measures a served draft's feed, so capture and the gate's measurement cannot disagree on what
 SGLang hands over.
 
+Without a rule for the installed release (or the target's architecture) no id list is known to
+make SGLang capture a given boundary, so capture goes to a ``reference`` engine (HF transformers
+on the same weights) and SGLang only serves: the measured feed is then matched against the
+reference's boundaries, within the same bf16 tolerance the capture test holds SGLang to.
+
 Serving: one server per draft configuration, with the recorder; acceptance from SGLang's
 per-request ``meta_info`` (``spec_verify_ct``, ``spec_num_correct_drafts``, the histogram of
 accepted drafts per verify step), reconciled with the tokens it emitted.
@@ -96,18 +101,28 @@ def _sorted_rows(calls: list[FeedCall], length: int, width: int) -> torch.Tensor
 
 class SGLangEngine(TargetEngine):
     """The target in SGLang servers: one with a capture draft for the configured points (started
-    here), one target-only for greedy references (started on first use), and one per served
-    draft configuration (started and stopped by ``serve_draft``)."""
+    here; none when a ``reference`` engine captures), one target-only for greedy references
+    (started on first use), and one per served draft configuration (started and stopped by
+    ``serve_draft``)."""
 
     name = "sglang"
 
     def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
-                 family: str | None = None, batch_tokens: int = 16384, max_model_len: int = 2048):
+                 family: str | None = None, batch_tokens: int = 16384, max_model_len: int = 2048,
+                 reference: TargetEngine | None = None):
         self.version = require_install().version
+        self.reference = reference
         self.model_dir = str(model_dir)
         self.dtype, self.tp_size, self.batch_tokens, self.max_model_len = dtype, tp_size, batch_tokens, max_model_len
         ident = target_identity(model_dir)
         self.num_layers, self.hidden_size = ident.num_layers, ident.hidden_size
+        self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-"))
+        self._plain: SGLangServer | None = None
+        self._capture: SGLangServer | None = None
+        if reference is not None:  # no rule: the reference captures, SGLang serves
+            self.family = family or "unknown"
+            self.points = list(reference.points)
+            return
         tcfg = target_config(model_dir)
         self.family = conventions.engine_family("sglang", tcfg, family)
         self.points = [p.validate_for(self.num_layers) for p in points]
@@ -115,13 +130,10 @@ class SGLangEngine(TargetEngine):
         cannot = [str(p) for p in self.points if not can_capture(p, self.num_layers, self.family, release)]
         if cannot:
             raise EngineError(f"SGLang {self.version} ({self.family}) cannot capture {', '.join(cannot)}")
-        self._dir = Path(tempfile.mkdtemp(prefix="strata-sglang-"))
         self.order = sorted(self.points, key=lambda p: conventions.sort_key(p, self.num_layers))
         stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(self.order), tcfg.get("vocab_size", 32000)))
         export_draft(stub, self._dir / "capture-draft", "sglang", self.order, ident, family=self.family,
                      dtype="bfloat16", release=release)
-        self._plain: SGLangServer | None = None
-        self._capture: SGLangServer | None = None
         try:
             self._capture = SGLangServer(model_dir, dtype, tp_size, draft_dir=self._dir / "capture-draft", k=1,
                                          feed_dir=self._dir / "capture-feed", max_model_len=max_model_len).start()
@@ -135,6 +147,8 @@ class SGLangEngine(TargetEngine):
         return [s.proc.pid for s in (self._capture, self._plain) if s is not None and s.proc is not None]
 
     def engine_ref(self, point: CapturePoint) -> EngineRef:
+        if self.reference is not None:
+            return self.reference.engine_ref(point)
         return sglang_engine_ref(point, self.num_layers, self.family, self.version, self.tp_size)
 
     def plan_batches(self, lengths: list[int]) -> list[list[int]]:
@@ -148,7 +162,10 @@ class SGLangEngine(TargetEngine):
 
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         """Per point, one [T, H] tensor per sequence, in input order: the rows SGLang handed the
-        capture draft on each sequence's prefill (one request at a time, so rows cannot mix)."""
+        capture draft on each sequence's prefill (one request at a time, so rows cannot mix); the
+        reference engine's capture where there is one."""
+        if self.reference is not None:
+            return self.reference.capture_tensors(sequences)
         self._check_lengths(sequences, 1)
         per_point: dict[str, list[torch.Tensor]] = {str(p): [] for p in self.points}
         width = len(self.order) * self.hidden_size
@@ -190,4 +207,6 @@ class SGLangEngine(TargetEngine):
             if server is not None:
                 server.close()
         self._capture = self._plain = None
+        if getattr(self, "reference", None) is not None:
+            self.reference.close()
         shutil.rmtree(self._dir, ignore_errors=True)

@@ -8,6 +8,8 @@ sketched, so the gate can say which boundary a slot's training values really mat
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pipeline import conventions
@@ -18,6 +20,8 @@ from pipeline.engines.hf import HFEngine
 from pipeline.fingerprint import Fingerprints, projection, sketch
 from pipeline.identity import target_config
 from schemas.validation import ValidateConfig
+
+log = logging.getLogger(__name__)
 
 
 def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]:
@@ -31,9 +35,18 @@ def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]
         return vllm_engine.shared("capture", s.target.path, points, dtype=s.dtype, tp_size=s.tp_size,
                                   max_model_len=s.max_model_len), False
 
-    family = conventions.engine_family("sglang", target_config(s.target.path), s.engine_family)
     version = installed_version("sglang") or conventions.NEWEST  # what the replaying servers can capture
-    points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family, version)]
+    try:
+        family = conventions.engine_family("sglang", target_config(s.target.path), s.engine_family)
+        points = [p for p in conventions.all_boundaries(n)[:-1] if sglang_engine.can_capture(p, n, family, version)]
+    except conventions.UnknownRelease:
+        # No rule says which ids make this SGLang capture which boundary: HF transformers captures
+        # every boundary of the same weights as the reference, and SGLang serves the draft.
+        log.warning("no derived rule for sglang %s on this target: the boundaries come from HF transformers (%s) "
+                    "and SGLang only serves the draft", version, s.dtype)
+        ref = HFEngine(s.target.path, conventions.all_boundaries(n)[:-1], s.dtype, "auto", s.attn_implementation)
+        return sglang_engine.SGLangEngine(s.target.path, [], dtype=s.dtype, tp_size=s.tp_size,
+                                          max_model_len=s.max_model_len, reference=ref), True
     return sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family,
                                       max_model_len=s.max_model_len), True
 
