@@ -22,7 +22,7 @@ from pipeline.identity import target_identity
 from pipeline.pretrain import RECORD, trained_tiny_target
 from pipeline.regenerate.job import run_regenerate
 from pipeline.registry.registry import Registry
-from pipeline.registry.store import LocalStore
+from pipeline.store.objects import LocalStore
 from pipeline.tiny import write_conversations
 from pipeline.train.job import run_train
 from pipeline.validate.cost import table_lines
@@ -81,7 +81,7 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
             "batch_tokens": 2048,
             "epochs": 8,
             "metrics_every": 10,
-            "checkpoint_every": 100,
+            "checkpoint": {"every": 100},
             "optim": {"lr": 1.0e-2, "warmup_steps": 10},
             "deepspeed": {"zero_stage": 2, "dtype": "float32"},
             "num_workers": 1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from schemas import acceptance
 from schemas.capture import CapturePoint, parse_points
@@ -19,6 +19,11 @@ class OptimConfig(Strict):
     warmup_steps: int = Field(20, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     grad_clip: float = Field(0.5, gt=0)
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(50, ge=1, description="steps between checkpoints (and one at the end)")
+    keep: int = Field(3, ge=1, description="checkpoints kept; older ones are deleted after each commit")
 
 
 class DeepSpeedConfig(Strict):
@@ -65,7 +70,7 @@ class TrainConfig(Strict):
     max_steps: int | None = Field(None, ge=1)
     eval_fraction: float = Field(0.05, ge=0, lt=1)
     metrics_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint: CheckpointConfig = CheckpointConfig()
     resume: Literal["latest", "none"] = "latest"
     init_from: str | None = Field(
         None, description="warm start: an exported draft directory (same target, capture points and draft shape); "
@@ -91,6 +96,16 @@ class TrainConfig(Strict):
     export: ExportConfig = ExportConfig()
     heldout_acceptance: HeldoutAcceptanceConfig = HeldoutAcceptanceConfig()
     s3: S3Config = S3Config()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, v: Any) -> Any:
+        """``checkpoint_every: N`` (older configs) is ``checkpoint: {every: N}``."""
+        if isinstance(v, dict) and "checkpoint_every" in v:
+            v = {**v}
+            every = v.pop("checkpoint_every")
+            v["checkpoint"] = {**(v.get("checkpoint") or {}), "every": every}
+        return v
 
     @field_validator("aux", mode="before")
     @classmethod

@@ -89,7 +89,10 @@ def test_zero2_on_two_workers_trains_and_loss_falls(trained):
     # Chance is ~1/2048 (full-vocab draft); a few dozen steps on the tiny target reach 0.19-0.4.
     assert ev["acc_per_pos"][0] > 0.1 and ev["sim_accept_len"] > 0.1
     assert (out / "checkpoints" / "latest.json").exists()
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir())[0] == "step-000006"
+    steps = result["metrics"]["steps"]
+    saved = sorted({*range(6, steps + 1, 6), steps})  # checkpoint.every: 6, and one at the end
+    assert len(saved) > 3  # so the default checkpoint.keep (3) has pruned the oldest
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step-{s:06d}" for s in saved[-3:]]
     # Where the job's time went: disjoint stages inside the total, the same record on disk.
     sec = result["seconds"]
     assert list(sec) == ["ray_start", "prepare", "fit", "heldout_acceptance", "export", "total"]
@@ -427,6 +430,51 @@ def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
         check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(
             update={"engine_versions": {"sglang": "0.5.21"}})}), [C.embedding(), *aux, C.layer_output(3)][:3],
             6, {"model_type": "llama"})
+
+
+def test_checkpoints_are_built_from_parts_and_only_the_last_k_are_kept(tmp_path):
+    """The manager saves every part where it says it lives, restores each from there, keeps the
+    last ``keep`` checkpoints, and refuses a checkpoint of another world size or parts that clash."""
+    from pipeline.train.checkpoint import CheckpointManager, RNGState, TrainState, latest
+
+    class Counter:  # a rank-local tensor part
+        where = "rank"
+
+        def __init__(self):
+            self.t = torch.zeros(3)
+
+        def state_dict(self):
+            return {"counter": self.t.clone()}
+
+        def load_state_dict(self, state):
+            self.t.copy_(state["counter"])
+
+    def manager(root, parts, world=1, keep=2):
+        return CheckpointManager(str(root), None, parts, every=1, keep=keep, rank=0, world=world,
+                                 barrier=lambda: None, zero_stage=2)
+
+    train, counter = TrainState(), Counter()
+    m = manager(tmp_path, {"train": train, "counter": counter, "rng": RNGState()})
+    for step in range(1, 6):
+        train.step, train.epoch = step, step // 3
+        counter.t += step
+        m.save(step)
+        if step == 4:
+            after_4 = torch.rand(2)  # the first draw after step 4's checkpoint
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-000004", "step-000005"]
+    assert latest(str(tmp_path), None) == "step-000005"
+    state = json.loads((tmp_path / "checkpoints/step-000005/state.json").read_text())
+    assert state == {"world_size": 1, "zero_stage": 2, "step": 5, "epoch": 1}
+
+    train2, counter2 = TrainState(), Counter()
+    torch.manual_seed(123)
+    manager(tmp_path, {"train": train2, "counter": counter2, "rng": RNGState()}).load("step-000004")
+    assert (train2.step, train2.epoch) == (4, 1) and counter2.t.tolist() == [10.0] * 3
+    assert torch.equal(torch.rand(2), after_4)  # the RNG is where it was at step 4's checkpoint
+    with pytest.raises(ValueError, match="written by 1 workers with ZeRO-2; this run has 2"):
+        manager(tmp_path, {"train": TrainState()}, world=2).load("step-000005")
+    with pytest.raises(ValueError, match="part 'again' reuses the keys \\['counter'\\]"):
+        manager(tmp_path / "x", {"counter": Counter(), "again": Counter()}).save(1)
 
 
 def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny_target, dataset, tmp_path):

@@ -1,5 +1,6 @@
 """The per-worker training loop: epochs of streamed batches through the trainer, a metrics
-window every ``metrics_every`` steps and a checkpoint every ``checkpoint_every``.
+window every ``metrics_every`` steps and a checkpoint every ``checkpoint.every`` (the last
+``checkpoint.keep`` kept).
 
 Runs inside a Ray Train worker (``pipeline.train.job``) or in a plain process with
 torch.distributed set up.
@@ -17,7 +18,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from pipeline.store.fs import atomic_write_bytes, join, resolve
-from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.checkpoint import (
+    CheckpointManager,
+    LRSchedule,
+    ModelWeights,
+    OptimizerState,
+    RNGState,
+    TrainState,
+)
 from pipeline.train.data import BatchStream, SampleRef, plan_epoch
 from pipeline.train.metrics import MetricsLog, MetricsWindow
 from pipeline.train.plan import RunPlan
@@ -54,14 +62,18 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     plans, epoch_start, total = epoch_plans(plan, cfg, world)
     trainer = Trainer(plan, cfg, total)
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
-    ckpt = CheckpointManager(cfg.output, cfg.s3, cfg.checkpoint_every, rank, world, barrier)
-    step = 0
-    if plan.resume_from:
-        step = ckpt.resume(trainer.engine, trainer.scheduler, plan.resume_from)["step"]
-        if rank == 0:
-            log.info("resumed from %s at step %d", plan.resume_from, step)
-    history = MetricsLog(cfg.output, cfg.s3, step if plan.resume_from else None)
     window = MetricsWindow(cfg.ttt_steps, trainer.device)
+    progress = TrainState()
+    ckpt = CheckpointManager(cfg.output, cfg.s3, {
+        "model": ModelWeights(trainer.engine), "optimizer": OptimizerState(trainer.engine),
+        "lr_schedule": LRSchedule(trainer.scheduler), "rng": RNGState(), "train": progress, "metrics": window,
+    }, cfg.checkpoint.every, cfg.checkpoint.keep, rank, world, barrier, trainer.engine.zero_optimization_stage())
+    if plan.resume_from:
+        ckpt.load(plan.resume_from)
+        if rank == 0:
+            log.info("resumed from %s at step %d", plan.resume_from, progress.step)
+    step = progress.step
+    history = MetricsLog(cfg.output, cfg.s3, step if plan.resume_from else None)
     refs = [SampleRef(**r) for r in plan.train_refs]
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0)
     last: dict = {}
@@ -85,7 +97,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
                 if report:
                     report(last)
             if ckpt.due(step, total):
-                ckpt.save(trainer.engine, trainer.scheduler, step, epoch)
+                progress.step, progress.epoch = step, epoch
+                ckpt.save(step)
                 if rank == 0:
                     history.flush()
             if step >= total:  # max_steps; otherwise the epoch's stream runs out on its own, so Ray

@@ -62,6 +62,20 @@ class MetricsWindow:
         self.sums.add(out, tokens)
         self.compute_s += compute_s
 
+    # A checkpoint part (``where = "rank"``): a window open at a checkpoint is resumed with the
+    # sums of the steps it already holds, so its record equals an uninterrupted run's.
+    where = "rank"
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"metrics.sums": self.sums.sums.cpu(),
+                "metrics.counts": torch.tensor([self.sums.n, self.sums.tokens], dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if "metrics.sums" not in state:  # a checkpoint from before metrics were a part: an empty window
+            return
+        self.sums.sums.copy_(state["metrics.sums"].to(self.sums.sums.device))
+        self.sums.n, self.sums.tokens = (int(x) for x in state["metrics.counts"].tolist())
+
     def close(self, data_wait_s: float, **fields) -> dict:
         """The window's record (``fields`` first), then a new window; all ranks must call this."""
         wall = max(time.perf_counter() - self.t0, 1e-9)

@@ -133,7 +133,7 @@ def bench_data_wait(steps: int) -> dict:
         "max_length": 512, "engine": {"dtype": "float32", "device": "cpu"}}), progress=False, use_ray=False)
     cfg = TrainConfig.model_validate({
         "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 2048, "batch_tokens": 2048, "max_steps": steps, "metrics_every": steps, "checkpoint_every": 10**6,
+        "draft_vocab_size": 2048, "batch_tokens": 2048, "max_steps": steps, "metrics_every": steps, "checkpoint": {"every": 10**6},
         "num_workers": 1, "eval_fraction": 0.0, "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "resume": "none"})
     m = run_train(cfg, use_ray=False)["metrics"]["train"]
     return {"steps": steps, "tokens_per_s": m["tokens_per_s"], "data_wait_fraction": m["data_wait_fraction"],

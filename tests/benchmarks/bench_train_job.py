@@ -60,7 +60,7 @@ def train_config(target: Path, ds: Path, out: Path, cpus: int, steps: int, loadi
     """One worker holding every CPU (with ray_data loading: all but the decode task's quarter)."""
     return {
         "dataset": str(ds), "target": {"path": str(target)}, "output": str(out), "draft_vocab_size": 2048,
-        "batch_tokens": 2048, "epochs": 100, "max_steps": steps, "metrics_every": 4, "checkpoint_every": 10**6,
+        "batch_tokens": 2048, "epochs": 100, "max_steps": steps, "metrics_every": 4, "checkpoint": {"every": 10**6},
         "eval_fraction": 0.0, "num_workers": 1, "data_loading": loading,
         "cpus_per_worker": cpus - 0.25 if loading == "ray_data" else cpus, "resume": "none",
         "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "heldout_acceptance": {"prompts": 0},
