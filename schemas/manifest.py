@@ -118,6 +118,11 @@ class DatasetManifest(BaseModel):
         if all_rows != self.totals.rows or all_quar != self.totals.quarantined:
             raise ValueError(f"manifest {self.dataset_id}: totals ({self.totals.rows} rows, {self.totals.quarantined} "
                              f"quarantined) disagree with its shards ({all_rows}, {all_quar})")
+        for field in ("tokens", "loss_tokens", "bytes"):
+            summed = sum(getattr(s, field) for s in self.shards)
+            if summed != getattr(self.totals, field):
+                raise ValueError(f"manifest {self.dataset_id}: totals.{field} {getattr(self.totals, field)} != the "
+                                 f"shards' sum {summed}")
         unknown = {s.inherited_from for s in self.shards if s.inherited_from} - set(self.parents)
         if unknown:
             raise ValueError(f"manifest {self.dataset_id}: shards inherited from {sorted(unknown)}, not in its parents")

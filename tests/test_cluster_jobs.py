@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from pipeline.registry.registry import Registry
-from pipeline.registry.store import LocalStore
+from pipeline.store.objects import LocalStore
 from pipeline.store.reader import DatasetReader
 
 REPO = Path(__file__).resolve().parents[1]

@@ -78,7 +78,7 @@ def validate(run, target, tmp_path, ids=None, **kw):
 @pytest.mark.vllm
 def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretrained_target, tmp_path):
     from pipeline.registry.registry import Registry
-    from pipeline.registry.store import LocalStore
+    from pipeline.store.objects import LocalStore
     from pipeline.validate.job import serving_for_channel
 
     registry = tmp_path / "registry"

@@ -211,8 +211,8 @@ def test_a_second_job_on_the_same_output_refuses_and_rows_stay_exactly_once(tiny
     import threading
 
     from pipeline.extract.job import ExtractionError
-    from pipeline.registry.lease import Lease
-    from pipeline.registry.store import LocalStore
+    from pipeline.store.lease import Lease
+    from pipeline.store.objects import LocalStore
     from schemas.config import load_config
 
     src, nrows = source

@@ -12,7 +12,7 @@ from test_registry import SERVING, artifact, record
 
 from pipeline.cli import main as strata
 from pipeline.registry.registry import PromotionRefused, Registry
-from pipeline.registry.store import S3Store, StoreUnavailable
+from pipeline.store.objects import S3Store, StoreUnavailable
 from schemas.config import S3Config
 
 pytestmark = pytest.mark.s3

@@ -252,7 +252,7 @@ def test_a_foreign_draft_is_validated_imported_and_promoted_through_the_gate(vll
                                                                              tmp_path):
     from pipeline.cli import main
     from pipeline.registry.registry import Registry
-    from pipeline.registry.store import LocalStore
+    from pipeline.store.objects import LocalStore
     from pipeline.validate.job import run_validate, serving_for_channel
     from schemas.artifact import DraftArtifactManifest
     from schemas.validation import ValidateConfig

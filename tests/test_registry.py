@@ -9,7 +9,7 @@ import pytest
 from pipeline.draft.export import export_draft
 from pipeline.draft.model import DraftConfig, Eagle3Draft, init_weights
 from pipeline.registry.registry import PromotionRefused, Registry
-from pipeline.registry.store import LocalStore, S3Store
+from pipeline.store.objects import LocalStore, S3Store
 from schemas.capture import CapturePoint as C
 from schemas.config import S3Config
 from schemas.identity import TargetIdentity

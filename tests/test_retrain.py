@@ -12,11 +12,11 @@ import time
 import pytest
 
 from pipeline.cli import main as strata
-from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.registry import Registry
-from pipeline.registry.store import LocalStore, open_store
 from pipeline.retrain import versions
 from pipeline.retrain.job import parse_every, run_retrain
+from pipeline.store.lease import Lease, LeaseHeld
+from pipeline.store.objects import LocalStore, open_store
 from pipeline.store.reader import DatasetReader, load_manifest
 from schemas.config import S3Config
 from schemas.retrain import RetrainConfig

@@ -196,6 +196,7 @@ def test_a_manifest_listing_one_file_twice_is_refused(tiny_target, conversations
     edited = DatasetManifest.model_validate_json(path.read_text())
     s0, s1 = edited.shards[0], edited.shards[1]
     edited.shards[1] = s1.model_copy(update={"path": s0.path, "bytes": s0.bytes, "sha256": s0.sha256, "rows": s0.rows})
+    edited.totals = edited.totals.model_copy(update={"bytes": sum(s.bytes for s in edited.shards)})  # totals agree
     path.write_text(edited.model_dump_json())
     with pytest.raises(ShardCorrupt, match=f"shard {s0.path} .* its unit {s1.unit} covers"):
         DatasetReader(cfg.output.uri).verify_all()
@@ -244,3 +245,7 @@ def test_inspect_verify_catches_flipped_truncated_deleted_shards_and_bad_totals(
     edited.totals = edited.totals.model_copy(update={"tokens": edited.totals.tokens + 1})
     path.write_text(edited.model_dump_json())
     assert strata(["inspect", uri, "--verify"]) == 3 and "totals.tokens" in capsys.readouterr().err
+    from pipeline.store.reader import DatasetReader
+
+    with pytest.raises(ValueError, match="totals.tokens"):  # one verification: training's reader refuses it too
+        DatasetReader(uri)

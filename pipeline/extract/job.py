@@ -23,10 +23,10 @@ from pipeline.errors import UnusableInput
 from pipeline.extract import layout
 from pipeline.extract.pool import CapturePool
 from pipeline.identity import target_identity
-from pipeline.registry.lease import Lease, LeaseHeld
-from pipeline.registry.store import open_store
 from pipeline.stopwatch import Stopwatch
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.store.lease import Lease, LeaseHeld
+from pipeline.store.objects import open_store
 from pipeline.unitpool import committed
 from schemas.dataset import ENCODING, dataset_schema
 from schemas.extract import ExtractConfig

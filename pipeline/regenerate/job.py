@@ -18,9 +18,9 @@ from pipeline.errors import UnusableInput
 from pipeline.extract.layout import job_fingerprint, plan_units
 from pipeline.identity import target_identity
 from pipeline.regenerate.layout import JOB_FILE, UNITS_DIR, unit_paths
-from pipeline.registry.lease import Lease, LeaseHeld
-from pipeline.registry.store import open_store
 from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.store.lease import Lease, LeaseHeld
+from pipeline.store.objects import open_store
 from pipeline.unitpool import LocalUnitPool, RayUnitPool, committed
 from schemas.regenerate import (
     CONVERSATIONS_FILE,

@@ -28,7 +28,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from pipeline.registry.store import ObjectStore, PreconditionFailed
+from pipeline.store.objects import ObjectStore, PreconditionFailed
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest, content_digest
 from schemas.registry import (
     AuditEntry,

@@ -24,11 +24,11 @@ from pathlib import Path
 
 from pipeline.errors import UnusableInput
 from pipeline.identity import target_identity
-from pipeline.registry.lease import Lease, LeaseHeld
 from pipeline.registry.registry import PromotionRefused, Registry
-from pipeline.registry.store import open_store
 from pipeline.retrain import versions
 from pipeline.store.fs import list_files, read_bytes, resolve
+from pipeline.store.lease import Lease, LeaseHeld
+from pipeline.store.objects import open_store
 from pipeline.store.reader import load_manifest
 from pipeline.train.job import run_train
 from pipeline.validate.job import run_validate

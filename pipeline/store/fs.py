@@ -1,8 +1,5 @@
-"""One filesystem abstraction (pyarrow.fs) for local paths and s3:// URIs.
-
-Credentials are never taken from configs: S3 uses AWS_ACCESS_KEY_ID /
-AWS_SECRET_ACCESS_KEY (or the usual AWS chain); the endpoint comes from the config or
-AWS_ENDPOINT_URL.
+"""One filesystem abstraction (pyarrow.fs) for local paths and s3:// URIs, and the one atomic
+local write every store uses. S3 access is resolved in :mod:`pipeline.store.s3`.
 """
 
 from __future__ import annotations
@@ -14,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from pipeline.store.s3 import pyarrow_s3
 from schemas.config import S3Config
 
 
@@ -21,25 +19,10 @@ def is_s3(uri: str) -> bool:
     return uri.startswith("s3://")
 
 
-def s3_filesystem(s3: S3Config | None = None) -> pafs.S3FileSystem:
-    s3 = s3 or S3Config()
-    endpoint = s3.endpoint()
-    kwargs: dict = {"region": s3.region}
-    if endpoint:
-        scheme, _, host = endpoint.partition("://")
-        kwargs.update(endpoint_override=host or scheme, scheme=scheme if host else "https")
-    if os.environ.get("AWS_ACCESS_KEY_ID"):
-        kwargs.update(
-            access_key=os.environ["AWS_ACCESS_KEY_ID"],
-            secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
-        )
-    return pafs.S3FileSystem(**kwargs)
-
-
 def resolve(uri: str, s3: S3Config | None = None) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path) for a local path or s3://bucket/key."""
     if is_s3(uri):
-        return s3_filesystem(s3), uri.removeprefix("s3://").rstrip("/")
+        return pyarrow_s3(s3), uri.removeprefix("s3://").rstrip("/")
     return pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
 
 
@@ -63,17 +46,28 @@ def atomic_write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     Local: write a temporary sibling, fsync, rename. S3: a single PUT is already atomic.
     """
     if isinstance(fs, pafs.LocalFileSystem):
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        atomic_write_local(path, data)
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(data)
+
+
+def atomic_write_local(path: str | os.PathLike, data: bytes) -> None:
+    """A temporary sibling, fsync, rename: a reader or a crash sees the old file or the new one."""
+    path = os.fspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        return
-    with fs.open_output_stream(path) as f:
-        f.write(data)
+    except BaseException:
+        if os.path.exists(tmp):  # a full disk or a kill mid-write leaves no partial sibling behind
+            os.remove(tmp)
+        raise
 
 
 def publish_local_file(local_tmp: str, fs: pafs.FileSystem, path: str) -> None:
@@ -90,3 +84,14 @@ def publish_local_file(local_tmp: str, fs: pafs.FileSystem, path: str) -> None:
 def list_files(fs: pafs.FileSystem, path: str) -> list[str]:
     info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
     return sorted(i.path for i in info if i.type == pafs.FileType.File)
+
+
+def list_dirs(fs: pafs.FileSystem, path: str) -> list[str]:
+    info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    return sorted(i.path for i in info if i.type == pafs.FileType.Directory)
+
+
+def delete_dir(fs: pafs.FileSystem, path: str) -> None:
+    """Delete a directory and everything under it (S3: every object under the prefix)."""
+    if fs.get_file_info(path).type != pafs.FileType.NotFound:
+        fs.delete_dir(path)

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from pipeline.registry.store import ObjectStore, PreconditionFailed
+from pipeline.store.objects import ObjectStore, PreconditionFailed
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
-import uuid
 from pathlib import Path
 from typing import Protocol
 
+from pipeline.store.fs import atomic_write_local
+from pipeline.store.s3 import boto3_s3
 from schemas.config import S3Config
 
 
@@ -87,12 +87,7 @@ class LocalStore:
                 raise PreconditionFailed(f"{key} already exists")
             if if_match is not None and (cur is None or cur[1] != if_match):
                 raise PreconditionFailed(f"{key} changed since it was read")
-            tmp = p.parent / f".{p.name}.tmp-{uuid.uuid4().hex[:8]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
+            atomic_write_local(p, data)
         return hashlib.sha256(data).hexdigest()
 
     def delete(self, key: str, *, if_match: str | None = None) -> None:
@@ -120,14 +115,9 @@ class S3Store:
     """s3://bucket/prefix through boto3; S3 conditional writes (If-Match / If-None-Match)."""
 
     def __init__(self, uri: str, s3: S3Config | None = None):
-        import boto3
-
         bucket, _, prefix = uri.removeprefix("s3://").partition("/")
         self.uri, self.bucket, self.prefix = uri, bucket, prefix.strip("/")
-        # Credentials only from the environment / AWS chain; never stored anywhere.
-        # A session of its own: credentials are resolved now, not cached from the first client.
-        s3 = s3 or S3Config()
-        self.client = boto3.session.Session().client("s3", endpoint_url=s3.endpoint(), region_name=s3.region)
+        self.client = boto3_s3(s3)  # credentials from the environment / AWS chain, never stored
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -27,7 +27,7 @@ from pipeline.errors import UnusableInput
 from pipeline.fingerprint import Fingerprints, projection, sketch
 from pipeline.identity import stop_token_ids, target_config, target_identity
 from pipeline.registry.registry import Registry
-from pipeline.registry.store import open_store
+from pipeline.store.objects import open_store
 from pipeline.validate import acceptance, checks
 from pipeline.validate import feed as F
 from pipeline.validate.cost import cost_table
