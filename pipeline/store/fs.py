@@ -4,14 +4,17 @@ local write every store uses. S3 access is resolved in :mod:`pipeline.store.s3`.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from pipeline.store.s3 import pyarrow_s3
+from pipeline.store.s3 import StoreUnavailable, arrow_errors, pyarrow_s3
 from schemas.config import S3Config
 
 
@@ -32,11 +35,12 @@ def join(base: str, *parts: str) -> str:
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:
-    return fs.get_file_info(path).type != pafs.FileType.NotFound
+    with arrow_errors(path):
+        return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
-    with fs.open_input_stream(path) as f:
+    with arrow_errors(path), fs.open_input_stream(path) as f:
         return f.read()
 
 
@@ -48,8 +52,24 @@ def atomic_write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     if isinstance(fs, pafs.LocalFileSystem):
         atomic_write_local(path, data)
         return
-    with fs.open_output_stream(path) as f:
+    with arrow_errors(path), fs.open_output_stream(path) as f:
         f.write(data)
+
+
+class StoreFull(StoreUnavailable):
+    """The local disk took no more bytes (ENOSPC)."""
+
+
+@contextmanager
+def full_disk_errors(path: str | os.PathLike) -> Iterator[None]:
+    """ENOSPC while writing ``path`` as one line that says what to do."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise StoreFull(f"{os.fspath(path)}: no space left on the device: free space and rerun -- committed work "
+                        "is kept and resumed from, nothing partial was left") from None
 
 
 def atomic_write_local(path: str | os.PathLike, data: bytes) -> None:
@@ -59,7 +79,7 @@ def atomic_write_local(path: str | os.PathLike, data: bytes) -> None:
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with full_disk_errors(path), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -77,21 +97,25 @@ def publish_local_file(local_tmp: str, fs: pafs.FileSystem, path: str) -> None:
         os.replace(local_tmp, path)
         return
     # An S3 multipart upload becomes visible only when it completes: atomic.
-    pafs.copy_files(local_tmp, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+    with arrow_errors(path):
+        pafs.copy_files(local_tmp, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     os.remove(local_tmp)
 
 
 def list_files(fs: pafs.FileSystem, path: str) -> list[str]:
-    info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    with arrow_errors(path):
+        info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
     return sorted(i.path for i in info if i.type == pafs.FileType.File)
 
 
 def list_dirs(fs: pafs.FileSystem, path: str) -> list[str]:
-    info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
+    with arrow_errors(path):
+        info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
     return sorted(i.path for i in info if i.type == pafs.FileType.Directory)
 
 
 def delete_dir(fs: pafs.FileSystem, path: str) -> None:
     """Delete a directory and everything under it (S3: every object under the prefix)."""
-    if fs.get_file_info(path).type != pafs.FileType.NotFound:
-        fs.delete_dir(path)
+    with arrow_errors(path):
+        if fs.get_file_info(path).type != pafs.FileType.NotFound:
+            fs.delete_dir(path)

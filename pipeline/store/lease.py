@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from pipeline.store.objects import ObjectStore, PreconditionFailed
+from pipeline.store.objects import ObjectStore, PreconditionFailed, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,15 @@ def _dead_on_this_host(owner: str) -> bool:
     return False
 
 
+# Runs of this process that hold a lease now: a record naming this process but none of these
+# is left from an earlier run whose release could not reach the store (it had gone away).
+_HELD_HERE: set[str] = set()
+
+
+def _ended_in_this_process(holder: LeaseRecord) -> bool:
+    return holder.owner == f"{socket.gethostname()}:{os.getpid()}" and holder.run_id not in _HELD_HERE
+
+
 class Lease:
     """``with Lease(store, name, ttl_s):`` -- raises LeaseHeld when someone else holds it."""
 
@@ -82,16 +91,17 @@ class Lease:
                 self._etag = self.store.put(self.key, self._body(), if_none_match=True)
             else:
                 holder = LeaseRecord.model_validate_json(cur[0])
-                dead = _dead_on_this_host(holder.owner)
+                dead = _dead_on_this_host(holder.owner) or _ended_in_this_process(holder)
                 if holder.expires_at > time.time() and not dead:
                     raise LeaseHeld(holder)
                 log.warning("lease %s: taking over from %s, %s", self.name, holder.describe(),
-                            "its process is gone" if dead else "expired")
+                            "its run is gone" if dead else "expired")
                 self._etag = self.store.put(self.key, self._body(), if_match=cur[1])
         except PreconditionFailed:
             now = self.store.get(self.key)
             raise LeaseHeld(LeaseRecord.model_validate_json(now[0]) if now else self.record) from None
         log.info("lease %s taken by %s (ttl %.0f s)", self.name, self.record.owner, self.ttl_s)
+        _HELD_HERE.add(self.record.run_id)
         self._thread = threading.Thread(target=self._renew_loop, name=f"lease-{self.name}", daemon=True)
         self._thread.start()
         return self
@@ -105,6 +115,8 @@ class Lease:
                     self.lost = True
                     log.error("lease %s was taken over by someone else; this run must not promote", self.name)
                     return
+                except StoreUnavailable as e:  # the store may come back before the lease expires
+                    log.warning("lease %s: renewal failed (%s); retrying", self.name, e)
 
     def check(self) -> None:
         """Raise unless this process still holds the lease (call before irreversible steps)."""
@@ -122,7 +134,11 @@ class Lease:
                     log.info("lease %s released", self.name)
                 except PreconditionFailed:
                     log.warning("lease %s changed before release; left as is", self.name)
+                except StoreUnavailable as e:  # never hides the error that ended the run
+                    log.warning("lease %s could not be released (%s): it expires in %.0f s, or at once for a "
+                                "rerun on this host", self.name, e, self.ttl_s)
             self._etag = None
+            _HELD_HERE.discard(self.record.run_id)
 
     def __enter__(self) -> Lease:
         return self.acquire()

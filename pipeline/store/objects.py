@@ -13,16 +13,14 @@ from pathlib import Path
 from typing import Protocol
 
 from pipeline.store.fs import atomic_write_local
-from pipeline.store.s3 import boto3_s3
+from pipeline.store.s3 import StoreUnavailable, boto3_s3, refused, unreachable
 from schemas.config import S3Config
+
+__all__ = ["LocalStore", "ObjectStore", "PreconditionFailed", "S3Store", "StoreUnavailable", "open_store"]
 
 
 class PreconditionFailed(RuntimeError):
     """The object changed (or appeared) since it was read."""
-
-
-class StoreUnavailable(RuntimeError):
-    """The store refused us (credentials) or cannot be reached: one line that says which."""
 
 
 _CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
@@ -36,12 +34,10 @@ def _s3_error(uri: str, key: str, e: Exception) -> Exception | None:
     if isinstance(e, ClientError):
         code = e.response["Error"]["Code"]
         if code in _CREDENTIAL_CODES or e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 403:
-            return StoreUnavailable(f"{uri}: the S3 server refused the request for {key} ({code}): check "
-                                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for this endpoint")
+            return refused(uri, key, code)
         return None
     if isinstance(e, EndpointConnectionError | ConnectionError):
-        return StoreUnavailable(f"{uri}: cannot reach the S3 endpoint ({e}); is it running? Re-run once it is back: "
-                                "every write is atomic, so nothing half-written is left")
+        return unreachable(uri, e)
     return None
 
 

@@ -9,6 +9,8 @@ AWS_ENDPOINT_URL.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from schemas.config import S3Config
@@ -52,3 +54,37 @@ def boto3_s3(s3: S3Config | None = None):
             "aws_session_token": a.session_token} if a.access_key else {}
     # A session of its own, so nothing is cached from an earlier client.
     return boto3.session.Session().client("s3", endpoint_url=a.endpoint, region_name=a.region, **keys)
+
+
+class StoreUnavailable(RuntimeError):
+    """The store refused us (credentials) or cannot be reached: one line that says which."""
+
+
+def unreachable(uri: str, why: object) -> StoreUnavailable:
+    return StoreUnavailable(f"{uri}: cannot reach the S3 endpoint ({why}); is it running? Re-run once it is back: "
+                            "every write is atomic, so nothing half-written is left")
+
+
+def refused(uri: str, key: str, code: str) -> StoreUnavailable:
+    return StoreUnavailable(f"{uri}: the S3 server refused the request for {key} ({code}): check "
+                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for this endpoint")
+
+
+# How pyarrow's S3 filesystem (the AWS C++ SDK) words the two failures a user can act on.
+_ARROW_UNREACHABLE = ("NETWORK_CONNECTION", "Could not connect", "curlCode: 7", "Couldn't connect")
+_ARROW_REFUSED = ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch", "HTTP response code: 403")
+
+
+@contextmanager
+def arrow_errors(path: str) -> Iterator[None]:
+    """pyarrow S3 errors on ``path`` as StoreUnavailable where they mean an unreachable endpoint
+    or refused credentials; anything else passes through unchanged."""
+    try:
+        yield
+    except OSError as e:
+        text = str(e)
+        if any(m in text for m in _ARROW_UNREACHABLE):
+            raise unreachable(f"s3://{path}", text.split(";")[-1].strip()[:160]) from None
+        if any(m in text for m in _ARROW_REFUSED):
+            raise refused(f"s3://{path}", path, "access denied") from None
+        raise

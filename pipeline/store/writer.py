@@ -21,7 +21,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store.encoding import compress_plane
-from pipeline.store.fs import publish_local_file
+from pipeline.store.fs import full_disk_errors, publish_local_file
 from schemas.dataset import BOOKKEEPING_FIELDS, META_CODEC, plane_column, provenances_from_schema
 from schemas.provenance import DTYPE_BYTES
 
@@ -69,6 +69,15 @@ class _HashingFile:
             self._f.close()
             self.closed = True
 
+    def discard(self) -> None:
+        """Close without flushing to disk (the file is about to be removed; the disk may be full)."""
+        if not self.closed:
+            try:
+                self._f.close()
+            except OSError:
+                pass
+            self.closed = True
+
 
 class ShardWriter:
     def __init__(
@@ -85,16 +94,22 @@ class ShardWriter:
         os.makedirs(tmp_dir, exist_ok=True)
         self._tmp = os.path.join(tmp_dir, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         self._sink = _HashingFile(self._tmp)
-        self._writer = pq.ParquetWriter(
-            pa.PythonFile(self._sink, mode="w"),
-            schema,
-            compression={f.name: ("zstd" if f in BOOKKEEPING_FIELDS else "none") for f in schema},
-            use_dictionary=False,
-            write_statistics=[f.name for f in BOOKKEEPING_FIELDS if not pa.types.is_list(f.type)],
-            # Cells are whole [T, H] planes (MBs each): with the default 1 MB page target
-            # Parquet re-buffers every value; large pages make the write ~5x cheaper.
-            data_page_size=64 << 20,
-        )
+        try:
+            with full_disk_errors(path):
+                self._writer = pq.ParquetWriter(
+                    pa.PythonFile(self._sink, mode="w"),
+                    schema,
+                    compression={f.name: ("zstd" if f in BOOKKEEPING_FIELDS else "none") for f in schema},
+                    use_dictionary=False,
+                    write_statistics=[f.name for f in BOOKKEEPING_FIELDS if not pa.types.is_list(f.type)],
+                    # Cells are whole [T, H] planes (MBs each): with the default 1 MB page target
+                    # Parquet re-buffers every value; large pages make the write ~5x cheaper.
+                    data_page_size=64 << 20,
+                )
+        except BaseException:  # nothing was written that anyone can use: no temporary file stays
+            self._sink.discard()
+            os.remove(self._tmp)
+            raise
         self._provs = provenances_from_schema(schema)
         self._pool = ThreadPoolExecutor(compress_threads) if compress_threads > 1 else None
         self.rows = 0
@@ -143,7 +158,8 @@ class ShardWriter:
                 cols[name] = self._plane_array(point_planes[k], token_offsets, h, field.metadata[META_CODEC])
         table = pa.Table.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
         t0, sink0 = time.perf_counter(), self._sink.hash_s + self._sink.write_s
-        self._writer.write_table(table, row_group_size=len(metas))
+        with full_disk_errors(self.path):
+            self._writer.write_table(table, row_group_size=len(metas))
         self._table_s += time.perf_counter() - t0 - (self._sink.hash_s + self._sink.write_s - sink0)
         self.rows += len(metas)
         self.tokens += int(token_offsets[-1])
@@ -164,10 +180,16 @@ class ShardWriter:
         return pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, offsets, data])
 
     def commit(self) -> tuple[int, str]:
-        """Close, fsync and publish; returns (bytes, sha256) of the published shard."""
+        """Close, fsync and publish; returns (bytes, sha256) of the published shard. A failure
+        (a full disk at the fsync, say) leaves no temporary file behind."""
         t0 = time.perf_counter()
-        self._writer.close()
-        self._sink.close()
+        try:
+            with full_disk_errors(self.path):
+                self._writer.close()
+                self._sink.close()
+        except BaseException:
+            self.abort()
+            raise
         if self._pool:
             self._pool.shutdown()
         publish_local_file(self._tmp, self.fs, self.path)
@@ -179,7 +201,7 @@ class ShardWriter:
             self._writer.close()
         except Exception:  # best effort cleanup of an unpublished temp file
             pass
-        self._sink.close()
+        self._sink.discard()
         if self._pool:
             self._pool.shutdown()
         if os.path.exists(self._tmp):
