@@ -249,3 +249,27 @@ def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(vllm_en
     assert before.num_drafts > 0 and after == before
     for d in (art, copy):
         vllm_engine.release("eagle3", str(d))
+
+
+def test_only_the_engines_refusal_is_a_finding_a_bug_in_strata_is_an_error(vllm_engine, trained_run, tiny_target,
+                                                                            tmp_path, monkeypatch):
+    """Serving through vLLM: an EngineError (vLLM itself could not start or decode the draft as
+    configured) blocks with the reason; any other exception while serving is Strata's own bug
+    and surfaces as an error, never as a verdict."""
+    from pipeline.engines.errors import EngineError
+    from pipeline.validate import acceptance
+
+    def refuse(*a, **k):
+        raise EngineError("vLLM 0.x could not start EAGLE-3 with the draft as configured: ValueError: no fc")
+
+    monkeypatch.setattr(acceptance, "serve_as_configured", refuse)
+    r = served(trained_run, tiny_target, tmp_path, acceptance_prompts=2)
+    assert r.decision == "block" and any("failed to serve the draft as configured" in x and "no fc" in x
+                                         for x in r.reasons), r.reasons
+
+    def bug(*a, **k):
+        raise KeyError("a bug in Strata")
+
+    monkeypatch.setattr(acceptance, "serve_as_configured", bug)
+    with pytest.raises(KeyError, match="a bug in Strata"):
+        served(trained_run, tiny_target, tmp_path, acceptance_prompts=2)

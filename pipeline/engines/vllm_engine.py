@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -281,7 +282,8 @@ class VLLMPlain:
         return self.generate_tokens(prompts, max_new_tokens), None
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return _greedy(self.llm, prompts, max_new_tokens)
+        with self._refusals("decode with"):
+            return _greedy(self.llm, prompts, max_new_tokens)
 
     def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
                seeds: list[int]) -> list[list[int]]:
@@ -311,11 +313,26 @@ class VLLMEagle3:
                  tp_size: int = 1, max_model_len: int = 4096, kv_cache_gib: float = 1.0):
         self.k = k
         self.max_model_len = max_model_len
-        self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
-                              speculative_config={"method": "eagle3", "model": str(draft_dir),
-                                                  "num_speculative_tokens": k},
-                              worker_extension_cls=EXTENSION)
+        self.draft_dir = str(draft_dir)
+        with self._refusals("start EAGLE-3 with"):
+            self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
+                                  speculative_config={"method": "eagle3", "model": str(draft_dir),
+                                                      "num_speculative_tokens": k},
+                                  worker_extension_cls=EXTENSION)
         self.start = _starts
+
+    @contextmanager
+    def _refusals(self, doing: str):
+        """vLLM's own failure with this draft and config (any exception from inside vLLM) as an
+        EngineError: the finding validation reports. Strata's code runs outside these blocks, so
+        its bugs stay errors."""
+        try:
+            yield
+        except (EngineError, EngineUnavailable):
+            raise
+        except Exception as e:
+            raise EngineError(f"vLLM {vllm_version()} could not {doing} the draft {self.draft_dir} as configured: "
+                              f"{type(e).__name__}: {str(e)[:300]}") from e
 
     @property
     def counters_readable(self) -> bool:
@@ -335,7 +352,8 @@ class VLLMEagle3:
         return outs, spec_stats(before, self.spec_metrics(), self.k)
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return _greedy(self.llm, prompts, max_new_tokens)
+        with self._refusals("decode with"):
+            return _greedy(self.llm, prompts, max_new_tokens)
 
     def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
                            ) -> tuple[list[list[int]], list[SpecDecodeStats], list[list]]:

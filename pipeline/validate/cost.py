@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pipeline import conventions
 from pipeline.engines.base import DecodeTiming, TargetEngine
-from pipeline.engines.errors import EngineUnavailable
+from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.validate.acceptance import draft_dir_with
 from schemas.capture import CapturePoint
 
@@ -55,9 +55,7 @@ def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, pr
                base: DecodeTiming, stop_ids: frozenset[int]) -> dict:
     try:
         return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base, stop_ids)
-    except EngineUnavailable:
-        raise
-    except Exception as e:  # the engine refusing this configuration is the row's finding
+    except EngineError as e:  # the engine refusing this configuration is the row's finding (a bug is not)
         return {"configuration": name, "draft_config": config,
                 "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}"}
 

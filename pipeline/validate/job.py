@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pipeline import conventions
 from pipeline.engines.base import ServeResult, TargetEngine
-from pipeline.engines.errors import EngineUnavailable
+from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.errors import UnusableInput
 from pipeline.fingerprint import Fingerprints, projection, sketch
 from pipeline.identity import stop_token_ids, target_config, target_identity
@@ -305,7 +305,7 @@ def slot_table(case: Case, engine: TargetEngine, replayed: dict, wrong_release: 
         return by_rule(None, "acceptance_prompts = 0: the draft was not served", [])
     try:
         served = acceptance.serve_as_configured(engine, cfg, case.art, case.draft_cfg_path, acceptance.prompts(cfg, fp))
-    except Exception as e:  # the engine refused the draft as configured: that is the finding
+    except EngineError as e:  # the engine refused the draft as configured: that is the finding (a bug is not)
         reason = f"{s.engine} failed to serve the draft as configured: {type(e).__name__}: {str(e)[:300]}"
         return by_rule(None, reason, [reason])
     if served.feed is None:  # an engine whose draft inputs cannot be observed: its rule decides
