@@ -5,7 +5,7 @@
 #
 #   infra/sglang/setup-sglang-cpu.sh VENV VENDOR_DIR
 #
-# Strata never imports SGLang: it starts `python -m sglang.launch_server` from VENV (README,
+# Strata never imports SGLang: it starts `python -m sglang.launch_server` from VENV (pipeline/engines/README.md,
 # "SGLang on CPU"). Build: ~5 min on 2 cores the first time, seconds from the cache.
 set -euo pipefail
 VENV=${1:?usage: setup-sglang-cpu.sh VENV VENDOR_DIR}
