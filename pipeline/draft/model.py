@@ -117,7 +117,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=False)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
+                ) -> torch.Tensor:
+        """x [B,T,2H] -> [B,T,H]; appends this step's (GQA-expanded) keys/values to ks/vs."""
         B, T, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -125,7 +127,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
         rep = c.num_attention_heads // c.num_key_value_heads
-        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        ks.append(k.repeat_interleave(rep, dim=1))
+        vs.append(v.repeat_interleave(rep, dim=1))
+        a = ttt_attention(q, ks, vs)
+        return self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -150,6 +155,13 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+                ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+        """One step: the token embedding and the previous state -> h_{i+1} (pre-norm, fed back)."""
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
+        h_attn = h + self.self_attn(x, positions, ks, vs)
+        return h_attn + self.mlp(self.post_attention_layernorm(h_attn))
+
 
 class Eagle3Draft(nn.Module):
     def __init__(self, c: DraftConfig):
@@ -170,15 +182,7 @@ class Eagle3Draft(nn.Module):
         ks: list[torch.Tensor], vs: list[torch.Tensor],
     ) -> torch.Tensor:
         """Run the midlayer once; appends this step's keys/values to ks/vs; returns h_{i+1}."""
-        m = self.midlayer
-        x = torch.cat([m.input_layernorm(self.embed_tokens(tokens)), m.hidden_norm(h)], dim=-1)
-        q, k, v = m.self_attn.qkv(x, positions)
-        ks.append(k)
-        vs.append(v)
-        a = ttt_attention(q, ks, vs)
-        B, _, T, _ = a.shape
-        h_attn = h + m.self_attn.o_proj(a.transpose(1, 2).reshape(B, T, -1))
-        return h_attn + m.mlp(m.post_attention_layernorm(h_attn))
+        return self.midlayer(self.embed_tokens(tokens), h, positions, ks, vs)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
