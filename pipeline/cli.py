@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import get_args
 
+from pipeline.demo.tiny import ARCHS
 from pipeline.errors import UnusableInput
 from pipeline.store.objects import StoreUnavailable
-from pipeline.tiny import ARCHS
 from schemas.capture import CapturePointError
 from schemas.config import ConfigError, S3Config
 from schemas.provenance import DType
@@ -86,8 +86,9 @@ def _setup_logging(verbose: bool) -> None:
 def cmd_make_tiny_target(args: argparse.Namespace) -> int:
     import json
 
-    from pipeline.pretrain import RECORD, PretrainRecipe, trained_tiny_target
-    from pipeline.tiny import make_tiny_target, write_conversations
+    from pipeline.data.stdlib import write_conversations
+    from pipeline.demo.pretrain import RECORD, PretrainRecipe, trained_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     if args.random:
         out = make_tiny_target(args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed,
@@ -108,7 +109,7 @@ def cmd_make_tiny_target(args: argparse.Namespace) -> int:
 
 
 def cmd_make_conversations(args: argparse.Namespace) -> int:
-    from pipeline.tiny import write_conversations
+    from pipeline.data.stdlib import write_conversations
 
     n = write_conversations(args.path, n=args.n, shape=args.shape)
     print(f"{n} conversations ({args.shape}) written to {args.path}")
@@ -139,7 +140,7 @@ def cmd_extract(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config, ExtractConfig)
     else:
-        from pipeline.demo import DEMO_ROOT, ensure_demo, regenerate_demo
+        from pipeline.demo.story import DEMO_ROOT, ensure_demo, regenerate_demo
 
         path = ensure_demo(DEMO_ROOT)
         print(f"no --config: using the embedded default {path} (its source: the target's own answers, "
@@ -164,7 +165,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.config:
         cfg = load_config(args.config, TrainConfig)
     else:
-        from pipeline.demo import DEMO_ROOT, ensure_demo
+        from pipeline.demo.story import DEMO_ROOT, ensure_demo
 
         ensure_demo(DEMO_ROOT)
         path = DEMO_ROOT.resolve() / "train.yaml"
@@ -386,7 +387,7 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import DEMO_ROOT, run_demo
+    from pipeline.demo.story import DEMO_ROOT, run_demo
 
     return run_demo(DEMO_ROOT, sglang=args.sglang)
 

@@ -28,7 +28,7 @@ os.environ.setdefault("RAY_DATA_USAGE_DISABLED", "1")
 # Ray rewrites 127.0.0.1 to the node's routable IP when connecting; keep test traffic on loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # One cache per machine, not per run: the trained tiny target (~2 min) is built once. Its key covers
-# the recipe, the corpus and the torch/transformers releases (pipeline.pretrain.cache_key).
+# the recipe, the corpus and the torch/transformers releases (pipeline.demo.pretrain.cache_key).
 os.environ.setdefault("STRATA_CACHE_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / "strata-test-cache"))
 
 
@@ -95,7 +95,7 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -
 # -- tiny target and data -------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory) -> Path:
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("target") / "tiny", num_layers=6, hidden_size=64)
 
@@ -105,8 +105,8 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
     """HF-extracted data (fp32, 120 conversations) and a draft trained on it, exported for
     vLLM and SGLang: the run directory (``export/vllm``, ``export/sglang``); its dataset is
     the sibling ``ds``."""
+    from pipeline.data.stdlib import write_conversations
     from pipeline.extract.job import run_extract
-    from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
     from schemas.extract import ExtractConfig
     from schemas.train import TrainConfig
@@ -129,7 +129,7 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
 def pretrained_target(tmp_path_factory) -> Path:
     """The demo's trained tiny target (12 layers, hidden 128; ~2 min once per session), for the
     tests that measure acceptance."""
-    from pipeline.pretrain import PretrainRecipe, trained_tiny_target
+    from pipeline.demo.pretrain import PretrainRecipe, trained_tiny_target
 
     return trained_tiny_target(tmp_path_factory.mktemp("pretrained") / "target", PretrainRecipe())
 
@@ -139,8 +139,8 @@ def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
     """A draft trained (HF-extracted fp32 data, 300 conversations) for the pretrained target on the
     EAGLE-3 default (r_2, r_6, r_9), exported for vLLM: the run directory; its dataset is the
     sibling ``ds``, which also holds the layers the probe's drafts train on (test_probe.py)."""
+    from pipeline.data.stdlib import write_conversations
     from pipeline.extract.job import run_extract
-    from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
     from schemas.extract import ExtractConfig
     from schemas.train import TrainConfig
@@ -177,7 +177,7 @@ def vllm_engine():
 
 @pytest.fixture(scope="session")
 def conversations(tmp_path_factory) -> Path:
-    from pipeline.tiny import write_conversations
+    from pipeline.data.stdlib import write_conversations
 
     p = tmp_path_factory.mktemp("data") / "conversations.jsonl"
     write_conversations(p, n=40)

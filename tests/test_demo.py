@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pipeline.demo import DEMO_VERSION, _quiet, demo_root
+from pipeline.demo.story import DEMO_VERSION, _quiet, demo_root
 
 
 def test_quiet_sends_the_process_and_its_children_to_the_log(tmp_path, capfd):

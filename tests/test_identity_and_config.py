@@ -112,7 +112,7 @@ def test_a_retired_key_is_dropped_with_a_warning_a_typo_still_fails(tmp_path):
 
 
 def test_tiny_target_is_deterministic(tiny_target, tmp_path):
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     again = make_tiny_target(tmp_path / "again", num_layers=6, hidden_size=64)
     a, b = target_identity(tiny_target), target_identity(again)

@@ -6,7 +6,7 @@ first violation, naming the file and line.
 - The packages of ``pipeline`` import each other without cycles, counting imports inside
   functions; a function-level import is kept only where it defers an optional engine
   (vLLM, SGLang), a module that loads torch (so a job's driver process stays light), or keeps
-  the CLI's startup light (``cli.py``, ``demo.py``).
+  the CLI's startup light (``cli.py``, ``demo/story.py``).
 - The extraction job's driver loads neither torch nor transformers: its capture actors do.
 - Integer layer-id arithmetic lives only in ``pipeline/conventions``, in ``schemas/`` too; ``n``
   and ``N`` name a layer count there, so nothing else outside it is called that.
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo.py"}
+LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo/story.py"}
 OPTIONAL_ENGINE_MODULES = {"pipeline.engines.vllm_engine", "pipeline.engines.sglang_engine"}
 LAYER_NAMES = re.compile(r"num_layers|num_hidden_layers|layer_ids?$|^layer$|boundary|^[nN]$")
 

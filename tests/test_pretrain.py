@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pipeline.pretrain import (
+from pipeline.demo.pretrain import (
     RECORD,
     PretrainRecipe,
     cache_key,
@@ -13,7 +13,7 @@ from pipeline.pretrain import (
     is_heldout,
     trained_tiny_target,
 )
-from pipeline.tiny import train_tokenizer
+from pipeline.demo.tiny import train_tokenizer
 
 # Small enough to train twice in seconds; same code path as the demo's recipe.
 QUICK = PretrainRecipe(num_layers=2, hidden_size=64, steps=6, batch_size=4, seq_len=64, warmup_steps=2)
@@ -31,7 +31,7 @@ def test_training_is_deterministic_and_cached(tmp_path, monkeypatch, caplog):
 
     # Cached by content: the first call trains into the cache, the second copies it.
     c = trained_tiny_target(tmp_path / "c", QUICK)
-    with caplog.at_level(logging.INFO, logger="pipeline.pretrain"):
+    with caplog.at_level(logging.INFO, logger="pipeline.demo.pretrain"):
         d = trained_tiny_target(tmp_path / "d", QUICK)
     assert "cache hit" in caplog.text
     assert json.loads((d / RECORD).read_text())["weights_sha256"] == ra["weights_sha256"]

@@ -48,7 +48,7 @@ def write_rows(path, rows):
 
 @pytest.fixture(scope="module")
 def convs():
-    from pipeline.tiny import make_conversations
+    from pipeline.data.stdlib import make_conversations
 
     return make_conversations(70)
 
@@ -127,7 +127,7 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, c
     # A new target revision: everything is extracted again into its own lineage, trained from
     # scratch, and the channel (bound to the old target) refuses it.
     other = tmp_path / "target-r2"
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     make_tiny_target(other, num_layers=6, hidden_size=64, seed=11)
     cfg2 = cfg.model_copy(update={"target": cfg.target.model_copy(update={"path": str(other)})})

@@ -101,8 +101,8 @@ def sglang_install():
 def _train_draft(target: Path, root: Path, n_conv: int = 80, release: str = RELEASE) -> Path:
     """HF-extracted fp32 data on TRAINED + final post-norm, a draft trained on it and exported for
     SGLang ``release`` (and vLLM): the SGLang artifact directory."""
+    from pipeline.data.stdlib import write_conversations
     from pipeline.extract.job import run_extract
-    from pipeline.tiny import write_conversations
     from pipeline.train.job import run_train
     from schemas.extract import ExtractConfig
     from schemas.train import TrainConfig
@@ -127,7 +127,7 @@ class Target:
     """A tiny target, a draft trained for it, and one SGLang replay engine for the module."""
 
     def __init__(self, arch: str, root: Path):
-        from pipeline.tiny import make_tiny_target
+        from pipeline.demo.tiny import make_tiny_target
         from pipeline.validate.replay import open_replay_engine
 
         self.dir = make_tiny_target(root / arch, num_layers=LAYERS, hidden_size=128 if arch == "deepseek_v3" else 64,
@@ -239,7 +239,7 @@ def chapter(llama, tmp_path_factory):
     """``strata demo --sglang``'s chapter, run once on a demo directory holding the llama target and
     its draft: the SGLang export as exported (the correct ids) and the vLLM export's ids copied into
     SGLang's nested key (every id +1 in SGLang's labelling). Its reports serve the tests below."""
-    from pipeline.demo import _chapter_sglang
+    from pipeline.demo.story import _chapter_sglang
 
     root = tmp_path_factory.mktemp("sglang-chapter")
     (root / "run").mkdir()
@@ -421,7 +421,7 @@ def test_fp32_on_cpu_is_refused_with_what_to_set(llama):
 def test_gpu_sglang_with_cuda_graphs_measures_the_feed_and_says_how_many_verify_rows(tmp_path):
     """On a GPU, draft steps replayed from CUDA graphs run no Python: the recorder sees prefill and
     eager steps only, and the report says how many verify rows it recorded."""
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
     from pipeline.validate.job import run_validate
     from schemas.validation import ValidateConfig
 
@@ -464,9 +464,9 @@ def test_extraction_through_sglang_carries_its_native_ids_and_matches_hf(deepsee
     """The extraction job with ``engine.name: sglang`` (in-process, no Ray): SGLang's own capture
     of the incident's family, each column's provenance naming SGLang 0.5.18 and its native id
     for the point, values equal to the HF engine's within the match tolerance."""
+    from pipeline.data.stdlib import write_conversations
     from pipeline.extract.job import run_extract
     from pipeline.store.reader import DatasetReader
-    from pipeline.tiny import write_conversations
     from schemas.extract import ExtractConfig
     from schemas.validation import Tolerances
 

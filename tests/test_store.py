@@ -154,7 +154,7 @@ def test_uncommitted_shard_is_invisible(tiny_target, tmp_path):
 
 
 def test_reader_refuses_other_target_naming_both(tiny_target, conversations, tmp_path):
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", num_layers=6, hidden_size=64, seed=1)
     cfg, _ = extract(tiny_target, conversations, str(tmp_path / "ds"))

@@ -44,7 +44,7 @@ def extract(tiny_target, src, out, points=(*AUX, "final:post_norm"), n_rows=None
 
 @pytest.fixture(scope="module")
 def dataset(tiny_target, tmp_path_factory):
-    from pipeline.tiny import write_conversations
+    from pipeline.data.stdlib import write_conversations
 
     root = tmp_path_factory.mktemp("train-data")
     write_conversations(root / "conv.jsonl", n=160)
@@ -123,7 +123,7 @@ def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_t
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
     runner = TargetRunner(target, [C.parse(p) for p in AUX])
     from pipeline.data.chat import ChatEncoder
-    from pipeline.tiny import make_conversations
+    from pipeline.data.stdlib import make_conversations
 
     enc = ChatEncoder(tiny_target, 512)
     accepted, steps = 0, 0
@@ -222,7 +222,7 @@ def test_a_post_norm_aux_slot_is_refused_before_training(tiny_target, dataset, t
 
 
 def test_refuses_other_target(tiny_target, dataset, tmp_path):
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", num_layers=6, hidden_size=64, seed=7)
     cfg = TrainConfig.model_validate({**train_cfg(tiny_target, dataset, tmp_path / "run"), "target": {"path": str(other)}})
@@ -246,7 +246,7 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
     ds = tmp_path / "ds"
     shutil.copytree(dataset, ds)
     src = tmp_path / "conv.jsonl"
-    from pipeline.tiny import write_conversations
+    from pipeline.data.stdlib import write_conversations
 
     write_conversations(src, n=160)
     other = extract(tiny_target, src, tmp_path / "other", points=("layer_output:0", "layer_output:2", "layer_output:4", "final:post_norm"))
@@ -339,9 +339,9 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
     """Each epoch packs its own shuffle (length-sorted in windows of 256), so epochs can differ
     in step count; the loop must run every epoch's batches (it once looped forever when a later
     epoch was shorter)."""
+    from pipeline.data.stdlib import write_conversations
     from pipeline.fingerprint import Fingerprints
     from pipeline.store.reader import DatasetReader, index_samples
-    from pipeline.tiny import write_conversations
     from pipeline.train.data import plan_epoch
 
     write_conversations(tmp_path / "conv.jsonl", n=400)

@@ -170,7 +170,7 @@ def test_artifact_files_are_verified_before_use(run_dir, tiny_target, tmp_path, 
 
 
 def test_serving_target_with_other_weights(run_dir, tiny_target, tmp_path):
-    from pipeline.tiny import make_tiny_target
+    from pipeline.demo.tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", num_layers=6, hidden_size=64, seed=3)
     r = validate(run_dir, tiny_target, tmp_path, target=other, acceptance_prompts=0)

@@ -15,11 +15,11 @@ from pipeline import conventions
 from pipeline.data.chat import ChatEncoder
 from pipeline.data.conversations import BadRow, parse_row
 from pipeline.data.source import scan_source
+from pipeline.data.stdlib import make_conversations
 from pipeline.draft.foreign import ForeignDraft, ForeignDraftError, read_draft
 from pipeline.identity import target_config, text_config
 from pipeline.probe.capture import ProbeCapture, capture_boundaries
 from pipeline.probe.search import Inference, Scored, infer, seed_candidates
-from pipeline.tiny import make_conversations
 from schemas.capture import CapturePoint
 from schemas.probe import Candidate, ProbeConfig, ProbeReport
 

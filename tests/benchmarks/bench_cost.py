@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 
 from pipeline.conventions import AUX_KEY, draft_config_feeding, shifted  # noqa: E402
-from pipeline.demo import ensure_demo, regenerate_demo  # noqa: E402
+from pipeline.demo.pretrain import RECORD  # noqa: E402
+from pipeline.demo.story import ensure_demo, regenerate_demo  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
-from pipeline.pretrain import RECORD  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.cost import table_lines  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402

@@ -22,12 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _results import save_result  # noqa: E402
 
+from pipeline.data.stdlib import write_conversations  # noqa: E402
+from pipeline.demo.tiny import make_tiny_target  # noqa: E402
 from pipeline.engines import vllm_engine  # noqa: E402
 from pipeline.engines.hf import HFEngine  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.packing import pack_by_tokens  # noqa: E402
 from pipeline.store.reader import DatasetReader  # noqa: E402
-from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402
 from schemas.capture import parse_points  # noqa: E402

@@ -130,12 +130,12 @@ def build_target(shape: str, root: Path) -> Path:
     if (out / "config.json").exists():
         return out
     if shape == "tiny":
-        from pipeline.tiny import make_tiny_target
+        from pipeline.demo.tiny import make_tiny_target
 
         return make_tiny_target(out, num_layers=6, hidden_size=256)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pipeline.tiny import train_tokenizer
+    from pipeline.demo.tiny import train_tokenizer
 
     tok = train_tokenizer(2048)
     cfg = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False)

@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="directory for the target (cached) and outputs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from pipeline.tiny import write_conversations
+    from pipeline.data.stdlib import write_conversations
 
     work = Path(a.work or Path(tempfile.gettempdir()) / "strata-bench-extract-job")
     work.mkdir(parents=True, exist_ok=True)

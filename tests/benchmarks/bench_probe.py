@@ -25,10 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 
 from pipeline import conventions  # noqa: E402
+from pipeline.data.stdlib import write_conversations  # noqa: E402
+from pipeline.demo.tiny import make_tiny_target  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.probe.capture import capture_boundaries  # noqa: E402
 from pipeline.probe.job import probe_prompts, run_probe  # noqa: E402
-from pipeline.tiny import make_tiny_target, write_conversations  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from schemas.extract import ExtractConfig  # noqa: E402
 from schemas.probe import ProbeConfig  # noqa: E402

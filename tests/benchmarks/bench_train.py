@@ -119,8 +119,9 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
 
 def bench_data_wait(steps: int) -> dict:
     """The real loop (run_train, in-process) on a freshly extracted tiny dataset."""
+    from pipeline.data.stdlib import write_conversations
+    from pipeline.demo.tiny import make_tiny_target
     from pipeline.extract.job import run_extract
-    from pipeline.tiny import make_tiny_target, write_conversations
     from pipeline.train.job import run_train
     from schemas.extract import ExtractConfig
     from schemas.train import TrainConfig

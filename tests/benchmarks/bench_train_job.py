@@ -44,8 +44,8 @@ def dataset(target: Path, work: Path, n: int) -> Path:
     out = work / f"ds-train-{n}"
     if (out / "manifest.json").exists():
         return out
+    from pipeline.data.stdlib import write_conversations
     from pipeline.extract.job import run_extract
-    from pipeline.tiny import write_conversations
     from schemas.extract import ExtractConfig
 
     write_conversations(work / f"train-conversations-{n}.jsonl", n)

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline import conventions
-from pipeline.tiny import DOC_MODULES, make_conversations, make_tiny_target, train_tokenizer
+from pipeline.data.stdlib import DOC_MODULES, make_conversations
+from pipeline.demo.tiny import make_tiny_target, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class PretrainRecipe:
     heldout_fraction: float = 0.05
     conversation_repeats: int = 6   # the draft is trained on the conversations: weight them up
     threads: int = 2                # fixed: CPU matmul reductions depend on the thread count
-    arch: str = "llama"             # or deepseek_v3 (pipeline.tiny.ARCHS)
+    arch: str = "llama"             # or deepseek_v3 (pipeline.demo.tiny.ARCHS)
 
 
 def cache_root() -> Path:

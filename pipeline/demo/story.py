@@ -17,13 +17,13 @@ from pathlib import Path
 from pipeline import acceptance as accept_def
 from pipeline import conventions
 from pipeline.acceptance import acceptance_length
+from pipeline.data.stdlib import write_conversations
+from pipeline.demo.pretrain import RECORD, trained_tiny_target
 from pipeline.extract.job import run_extract
 from pipeline.identity import target_identity
-from pipeline.pretrain import RECORD, trained_tiny_target
 from pipeline.regenerate.job import run_regenerate
 from pipeline.registry.registry import Registry
 from pipeline.store.objects import LocalStore
-from pipeline.tiny import write_conversations
 from pipeline.train.job import run_train
 from pipeline.validate.cost import table_lines
 from pipeline.validate.job import run_validate, serving_for_channel
