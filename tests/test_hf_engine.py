@@ -119,7 +119,7 @@ def test_never_uses_output_hidden_states(tiny_target, monkeypatch):
 
 
 def test_batches_are_consecutive_samples_within_the_token_budget():
-    from pipeline.packing import pack_by_tokens
+    from pipeline.engines.packing import pack_by_tokens
 
     lengths = [10, 50, 20, 50, 5, 30, 120, 7]
     batches = pack_by_tokens(lengths, 100)
@@ -144,8 +144,8 @@ def test_every_engine_implements_the_whole_contract():
     method would make the class uninstantiable: caught here, without starting an engine)."""
     from pipeline.engines.base import TargetEngine
     from pipeline.engines.hf import HFEngine
-    from pipeline.engines.sglang_engine import SGLangEngine
-    from pipeline.engines.vllm_engine import VLLMEngine
+    from pipeline.engines.sglang.engine import SGLangEngine
+    from pipeline.engines.vllm.engine import VLLMEngine
 
     for cls in (HFEngine, VLLMEngine, SGLangEngine):
         assert issubclass(cls, TargetEngine) and not cls.__abstractmethods__, (cls, cls.__abstractmethods__)

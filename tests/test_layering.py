@@ -21,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo/story.py"}
-OPTIONAL_ENGINE_MODULES = {"pipeline.engines.vllm_engine", "pipeline.engines.sglang_engine"}
+OPTIONAL_ENGINE_MODULES = {"pipeline.engines.vllm.engine", "pipeline.engines.sglang.engine"}
 LAYER_NAMES = re.compile(r"num_layers|num_hidden_layers|layer_ids?$|^layer$|boundary|^[nN]$")
 
 

@@ -19,8 +19,8 @@ import torch
 from conftest import require
 
 from pipeline import conventions
-from pipeline.engines import sglang_server
 from pipeline.engines.errors import EngineError, EngineUnavailable
+from pipeline.engines.sglang import server as sglang_server
 from schemas.capture import CapturePoint
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -46,7 +46,7 @@ def test_server_arguments_bind_loopback_and_serve_the_draft_as_written(tmp_path)
 
 
 def test_acceptance_counters_that_do_not_reconcile_are_an_error():
-    from pipeline.engines.sglang_engine import acceptance_from_meta
+    from pipeline.engines.sglang.engine import acceptance_from_meta
 
     # 1 prefill token + 4 verify steps accepting 0, 1, 2 and 3 drafts = 11 tokens
     good = {"spec_verify_ct": 4, "spec_num_correct_drafts": 6, "completion_tokens": 11,
@@ -67,7 +67,7 @@ def test_acceptance_counters_that_do_not_reconcile_are_an_error():
 
 
 def test_no_sglang_is_a_clear_error_naming_the_setup(monkeypatch, tiny_target):
-    from pipeline.engines.sglang_engine import SGLangEngine
+    from pipeline.engines.sglang.engine import SGLangEngine
 
     monkeypatch.setenv(sglang_server.PYTHON_ENV, sys.executable)  # Strata's own env: no SGLang in it
     assert sglang_server.find_install() is None

@@ -159,8 +159,8 @@ def _quiet(log_path: Path):
 
 def _close_engines() -> None:
     """Shut down the engines this process still holds (vLLM's pool closes at exit otherwise)."""
-    if "pipeline.engines.vllm_engine" in sys.modules:
-        sys.modules["pipeline.engines.vllm_engine"].close_all()
+    if "pipeline.engines.vllm.engine" in sys.modules:
+        sys.modules["pipeline.engines.vllm.engine"].close_all()
 
 
 def _retarget_handlers(closed, log_path: Path) -> None:
@@ -307,7 +307,7 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None
     vLLM export's ids copied into SGLang's nested key -- one list, two tools, other tensors.
     ``engine``: an SGLang replay engine already open for the target (kept open). Returns whether
     the export passed and the copy was blocked, and both reports."""
-    from pipeline.engines.sglang_server import find_install
+    from pipeline.engines.sglang.server import find_install
     from pipeline.validate.replay import open_replay_engine
 
     t = time.perf_counter()

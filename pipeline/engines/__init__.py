@@ -21,11 +21,11 @@ def open_engine(cfg: ExtractConfig) -> TargetEngine:
     """The capture engine for ``cfg`` (loads the target; seconds to a minute)."""
     e = cfg.engine
     if e.name == "vllm":
-        from pipeline.engines.vllm_engine import VLLMEngine
+        from pipeline.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(cfg.target.path, cfg.capture, e.dtype, e.tp_size, e.max_model_len, e.batch_tokens)
     if e.name == "sglang":
-        from pipeline.engines.sglang_engine import SGLangEngine
+        from pipeline.engines.sglang.engine import SGLangEngine
 
         return SGLangEngine(cfg.target.path, cfg.capture, e.dtype, e.tp_size, batch_tokens=e.batch_tokens)
 

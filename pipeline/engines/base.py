@@ -1,7 +1,7 @@
 """The engine contract: a host for the target model that the pipeline and the gate talk to.
 
-Every engine (HF transformers in ``hf.py``, vLLM in ``vllm_engine.py``, SGLang in
-``sglang_engine.py``) implements :class:`TargetEngine`: capture typed points (extraction and
+Every engine (HF transformers in ``hf.py``, vLLM in ``vllm/engine.py``, SGLang in
+``sglang/engine.py``) implements :class:`TargetEngine`: capture typed points (extraction and
 replay), decode greedily with the target alone (the losslessness reference), serve an
 EAGLE-3 draft exactly as a deployment would and return acceptance together with the draft
 inputs it observed (the measured feed), and close. The extraction job, replay and acceptance

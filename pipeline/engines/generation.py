@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pipeline.engines.errors import EngineUnavailable
-from pipeline.engines.sglang_server import SGLangServer
+from pipeline.engines.sglang.server import SGLangServer
 from pipeline.identity import stop_token_ids
 from schemas.regenerate import GenerateEngineConfig, SamplingConfig
 
@@ -64,7 +64,7 @@ class VLLMGenerator:
     name = "vllm"
 
     def __init__(self, model_dir: str | Path, e: GenerateEngineConfig):
-        from pipeline.engines.vllm_engine import VLLMPlain, vllm_version
+        from pipeline.engines.vllm.engine import VLLMPlain, vllm_version
 
         self.version = vllm_version()
         self.engine = VLLMPlain(model_dir, e.dtype, e.tp_size, e.max_model_len)

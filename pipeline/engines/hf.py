@@ -1,6 +1,6 @@
 """HF transformers engine: forward hooks capture typed points; never output_hidden_states.
 
-A batch is packed, not padded (``pipeline.packing``): its sequences run end to end in one
+A batch is packed, not padded (``pipeline.engines.packing``): its sequences run end to end in one
 row, each attending to itself alone, so the captured values equal capturing each sequence
 alone. Hooks keep references to tensors the forward pass creates anyway; after the forward
 they are split into byte planes on the device and copied to pinned host memory with one
@@ -27,9 +27,9 @@ from pipeline.engines.base import (
     TargetEngine,
     captured_batch,
 )
+from pipeline.engines.packing import pack_by_tokens, packed_forward
 from pipeline.engines.refs import hf_engine_ref
 from pipeline.identity import stop_token_ids
-from pipeline.packing import pack_by_tokens, packed_forward
 from pipeline.store.encoding import split_planes
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef

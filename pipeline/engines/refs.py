@@ -8,7 +8,7 @@ import importlib.metadata
 
 from pipeline import conventions
 from pipeline.engines.errors import EngineUnavailable
-from pipeline.engines.sglang_server import find_install
+from pipeline.engines.sglang.server import find_install
 from pipeline.identity import target_config
 from schemas.capture import CapturePoint
 from schemas.extract import ExtractConfig

@@ -1,6 +1,6 @@
 """Which boundary does each draft slot really receive? Decided from the values the engine fed.
 
-The engine's recorded draft inputs (:mod:`pipeline.engines.vllm_feed`) are split per slot,
+The engine's recorded draft inputs (:mod:`pipeline.engines.vllm.feed`) are split per slot,
 sketched with the fingerprints' projection, and compared, token by token, with every
 boundary r_0..r_N of the same tokens: on prefill rows against the replayed probe samples,
 on verify rows against a capture of the finished sequences. A slot's boundary is named only

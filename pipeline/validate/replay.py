@@ -14,9 +14,11 @@ import torch
 
 from pipeline import conventions
 from pipeline.draft.target_head import load_final_norm
-from pipeline.engines import installed_version, sglang_engine, vllm_engine
+from pipeline.engines import installed_version
 from pipeline.engines.base import TargetEngine
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.sglang import engine as sglang_engine
+from pipeline.engines.vllm import engine as vllm_engine
 from pipeline.fingerprint import Fingerprints, projection, sketch
 from pipeline.identity import target_config
 from schemas.validation import ValidateConfig

@@ -24,10 +24,10 @@ from _results import save_result  # noqa: E402
 
 from pipeline.data.stdlib import write_conversations  # noqa: E402
 from pipeline.demo.tiny import make_tiny_target  # noqa: E402
-from pipeline.engines import vllm_engine  # noqa: E402
 from pipeline.engines.hf import HFEngine  # noqa: E402
+from pipeline.engines.packing import pack_by_tokens  # noqa: E402
+from pipeline.engines.vllm import engine as vllm_engine  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
-from pipeline.packing import pack_by_tokens  # noqa: E402
 from pipeline.store.reader import DatasetReader  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from pipeline.validate.job import run_validate  # noqa: E402

@@ -4,7 +4,7 @@ JSON; every figure is a ratio against a baseline measured in the same run.
 
 1. extraction: a random-init Llama of the given shape over conversations of realistic,
    variable lengths, packed end to end into token-budget batches as the HF engine runs them
-   (``pipeline.packing``: no padding). Baseline: the bare packed forward. Measured: the same
+   (``pipeline.engines.packing``: no padding). Baseline: the bare packed forward. Measured: the same
    forward with hooks on the EAGLE-3 aux boundaries and the final norm, the tokens split
    into byte planes on the device, one pinned device-to-host copy
    per batch, and ``writers`` threads writing byte-plane Parquet shards (exponent plane zstd,
@@ -41,7 +41,7 @@ from _results import save_result  # noqa: E402
 from bench_train import make_model, plain_step, sync, synthetic_batches  # noqa: E402
 
 from pipeline.draft.model import DraftConfig  # noqa: E402  (torch only)
-from pipeline.packing import pack_by_tokens, packed_forward  # noqa: E402  (torch and transformers only)
+from pipeline.engines.packing import pack_by_tokens, packed_forward  # noqa: E402  (torch and transformers only)
 
 SHAPES = {  # hidden, layers, intermediate, heads, kv heads, vocab, conversations, batch tokens
     "tiny": (64, 4, 128, 4, 2, 512, 24, 2048),

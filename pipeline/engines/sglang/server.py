@@ -7,7 +7,7 @@ to ``/generate`` over HTTP and stops the whole process group when done. Which Py
 ``$STRATA_SGLANG_PYTHON``, else the repository's ``.venv-sglang``, else this interpreter when
 it has SGLang (a GPU cluster image).
 
-Strata's recorder (``pipeline/engines/sglang_models``) reaches the server's scheduler
+Strata's recorder (``pipeline/engines/sglang/models``) reaches the server's scheduler
 processes through ``SGLANG_EXTERNAL_MODEL_PACKAGE`` with this repository on ``PYTHONPATH``.
 """
 
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.engines.sglang_models import FEED_DIR_ENV
+from pipeline.engines.sglang.models import FEED_DIR_ENV
 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "STRATA_SGLANG_PYTHON"
-RECORDER_PACKAGE = "pipeline.engines.sglang_models"
+RECORDER_PACKAGE = "pipeline.engines.sglang.models"
 START_TIMEOUT_S = float(os.environ.get("STRATA_SGLANG_START_TIMEOUT_S", "600"))
 
 

@@ -20,7 +20,7 @@ import torch
 from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3 as _SGLangEagle3
 
 from pipeline.engines.feed_files import write_call
-from pipeline.engines.sglang_models import FEED_DIR_ENV
+from pipeline.engines.sglang.models import FEED_DIR_ENV
 
 
 class LlamaForCausalLMEagle3(_SGLangEagle3):

@@ -1,7 +1,7 @@
 """vLLM engine: capture hidden states and serve EAGLE-3 through vLLM itself.
 
 Capture uses vLLM's ``extract_hidden_states`` speculative method: the target's aux
-layers are written per request by :mod:`pipeline.engines.vllm_connector` as
+layers are written per request by :mod:`pipeline.engines.vllm.connector` as
 ``[T, n_ids, H]`` in ascending id order (vLLM sorts and de-duplicates). Which ids to ask
 for comes from :func:`pipeline.conventions.vllm_capture_plan`; nothing here does id
 arithmetic. The same engine, asked for more than one token, decodes greedily with the
@@ -36,17 +36,17 @@ from pipeline.engines.base import (
 )
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
+from pipeline.engines.packing import pack_by_tokens
 from pipeline.engines.refs import vllm_engine_ref, vllm_version
-from pipeline.engines.vllm_feed import EXTENSION
+from pipeline.engines.vllm.feed import EXTENSION
 from pipeline.identity import target_config, text_config
-from pipeline.packing import pack_by_tokens
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
 
 CONNECTOR = "StrataHiddenStatesConnector"
-CONNECTOR_MODULE = "pipeline.engines.vllm_connector"
+CONNECTOR_MODULE = "pipeline.engines.vllm.connector"
 SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 
@@ -304,7 +304,7 @@ class VLLMPlain:
 class VLLMEagle3:
     """The target served with an EAGLE-3 draft, exactly as a deployment would run it.
 
-    The workers carry :class:`pipeline.engines.vllm_feed.FeedRecorder`, so the inputs the
+    The workers carry :class:`pipeline.engines.vllm.feed.FeedRecorder`, so the inputs the
     draft's ``fc`` receives can be recorded (:meth:`generate_recording`) without changing
     anything about how vLLM reads the draft's config.
     """
@@ -343,7 +343,7 @@ class VLLMEagle3:
         if not self.counters_readable:
             raise EngineError("this vLLM EAGLE-3 engine's spec-decode counters are no longer readable: another "
                               "vLLM engine started in this process since (vLLM keeps only the newest engine's "
-                              "metrics); take the engine through vllm_engine.shared(), which restarts it")
+                              "metrics); take the engine through pipeline.engines.vllm.engine.shared(), which restarts it")
         return read_spec_metrics(self.llm)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:

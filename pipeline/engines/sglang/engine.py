@@ -1,14 +1,14 @@
 """SGLang engine: capture, greedy decoding and EAGLE-3 serving through SGLang's own HTTP server.
 
 Every SGLang server is a separate process group started from SGLang's environment
-(:mod:`pipeline.engines.sglang_server`); nothing here imports SGLang.
+(:mod:`pipeline.engines.sglang.server`); nothing here imports SGLang.
 
 Capture: SGLang captures aux states only for an EAGLE-3 draft, at the ids its nested
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` names, read by the model file's own rule
 (llama/qwen: o-labels; deepseek_v2: +1 only when the first id is 1; gpt-oss: boundaries when
 the list reaches N). Strata serves a stub draft whose config carries exactly the ids for the
 wanted points (written by ``conventions`` through the draft export) and records, with its
-recorder draft class (``sglang_models``), the aux rows SGLang hands that draft on each prompt's
+recorder draft class (``models``), the aux rows SGLang hands that draft on each prompt's
 prefill: ``[T, n_ids * H]``, slot-major in ascending layer order. It is the same path that
 measures a served draft's feed, so capture and the gate's measurement cannot disagree on what
 SGLang hands over.
@@ -38,10 +38,10 @@ from pipeline.draft.model import DraftConfig, Eagle3Draft
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.errors import EngineError
 from pipeline.engines.feed_files import FeedCall, take_calls
+from pipeline.engines.packing import pack_by_tokens
 from pipeline.engines.refs import sglang_engine_ref, sglang_release
-from pipeline.engines.sglang_server import SGLangServer, require_install
+from pipeline.engines.sglang.server import SGLangServer, require_install
 from pipeline.identity import target_config, target_identity
-from pipeline.packing import pack_by_tokens
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
