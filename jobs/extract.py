@@ -1,7 +1,7 @@
 """Ray job: extract hidden states with provenance into Parquet.
 
-    ray job submit --working-dir . -- python jobs/extract.py --config extract.yaml
-    python jobs/extract.py --config extract.yaml        # starts a local Ray
+ray job submit --working-dir . -- python jobs/extract.py --config extract.yaml
+python jobs/extract.py --config extract.yaml        # starts a local Ray
 """
 
 import _bootstrap  # noqa: F401

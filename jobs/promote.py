@@ -1,6 +1,6 @@
 """Ray job: promote a draft artifact to a channel; exit 3 when refused (reasons printed).
 
-    ray job submit --working-dir . -- python jobs/promote.py DIGEST --channel production --registry s3://...
+ray job submit --working-dir . -- python jobs/promote.py DIGEST --channel production --registry s3://...
 """
 
 import _bootstrap  # noqa: F401

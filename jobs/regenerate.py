@@ -1,7 +1,7 @@
 """Ray job: the target's own responses for a conversations file (regeneration).
 
-    ray job submit --working-dir . -- python jobs/regenerate.py --config regenerate.yaml
-    python jobs/regenerate.py --config regenerate.yaml        # starts a local Ray
+ray job submit --working-dir . -- python jobs/regenerate.py --config regenerate.yaml
+python jobs/regenerate.py --config regenerate.yaml        # starts a local Ray
 """
 
 import _bootstrap  # noqa: F401

@@ -1,7 +1,7 @@
 """Ray job: train an EAGLE-3 draft with DeepSpeed workers on Ray Train, then export it.
 
-    ray job submit --working-dir . -- python jobs/train.py --config train.yaml
-    python jobs/train.py --config train.yaml          # starts a local Ray
+ray job submit --working-dir . -- python jobs/train.py --config train.yaml
+python jobs/train.py --config train.yaml          # starts a local Ray
 """
 
 import _bootstrap  # noqa: F401

@@ -53,18 +53,30 @@ def standard_error(per_prompt: list[PromptCounts]) -> float | None:
     return math.sqrt(m / (m - 1) * resid) / steps
 
 
-def summary(measured_by: str, k: int, verify_steps: int, accepted_per_pos: list[int] | None,
-            accepted: int | None = None, per_prompt: list[PromptCounts] | None = None, **extra) -> dict:
+def summary(
+    measured_by: str,
+    k: int,
+    verify_steps: int,
+    accepted_per_pos: list[int] | None,
+    accepted: int | None = None,
+    per_prompt: list[PromptCounts] | None = None,
+    **extra,
+) -> dict:
     """The acceptance record every measurement reports (JSON-ready). ``per_prompt`` gives the
     standard error; engines that only expose totals leave it out (``se`` None)."""
     steps = max(verify_steps, 1)
     accepted = sum(accepted_per_pos) if accepted is None else accepted
-    return {"measured_by": measured_by, "k": k, "verify_steps": verify_steps,
-            "prompts": len(per_prompt) if per_prompt is not None else None,
-            "accepted_per_step": accepted / steps, "mean_acceptance_length": acceptance_length(accepted / steps),
-            "se": standard_error(per_prompt) if per_prompt is not None else None,
-            "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
-            **extra}
+    return {
+        "measured_by": measured_by,
+        "k": k,
+        "verify_steps": verify_steps,
+        "prompts": len(per_prompt) if per_prompt is not None else None,
+        "accepted_per_step": accepted / steps,
+        "mean_acceptance_length": acceptance_length(accepted / steps),
+        "se": standard_error(per_prompt) if per_prompt is not None else None,
+        "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
+        **extra,
+    }
 
 
 def from_prompts(measured_by: str, k: int, per_prompt: list[PromptCounts], **extra) -> dict:
@@ -79,5 +91,7 @@ def line(acc: dict) -> str:
     per = acc.get("acceptance_per_pos")
     per_s = " [" + " ".join(f"{a:.2f}" for a in per) + "]" if per else ""
     n = f"{acc['prompts']} prompts, " if acc.get("prompts") is not None else ""
-    return (f"mean acceptance length {acc['mean_acceptance_length']:.2f}{se} (k={acc['k']}, {n}"
-            f"{acc['verify_steps']} verify steps){per_s} -- {acc['measured_by']}")
+    return (
+        f"mean acceptance length {acc['mean_acceptance_length']:.2f}{se} (k={acc['k']}, {n}"
+        f"{acc['verify_steps']} verify steps){per_s} -- {acc['measured_by']}"
+    )

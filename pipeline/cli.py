@@ -91,17 +91,20 @@ def cmd_make_tiny_target(args: argparse.Namespace) -> int:
     from pipeline.demo.tiny import make_tiny_target
 
     if args.random:
-        out = make_tiny_target(args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed,
-                               arch=args.arch)
+        out = make_tiny_target(
+            args.dir, num_layers=args.layers or 6, hidden_size=args.hidden or 256, seed=args.seed, arch=args.arch
+        )
         print(f"random-init tiny target ({args.arch}) written to {out}")
     else:
         given = {"num_layers": args.layers, "hidden_size": args.hidden, "steps": args.steps}
         recipe = PretrainRecipe(seed=args.seed, arch=args.arch, **{k: v for k, v in given.items() if v is not None})
         out = trained_tiny_target(args.dir, recipe)
         rec = json.loads((out / RECORD).read_text())
-        print(f"trained tiny target written to {out}: held-out perplexity {rec['heldout_perplexity']:.1f} "
-              f"(unigram {rec['unigram_perplexity']:.1f}), next-token accuracy "
-              f"{rec['heldout_next_token_accuracy']:.2f}; training record in {out / RECORD}")
+        print(
+            f"trained tiny target written to {out}: held-out perplexity {rec['heldout_perplexity']:.1f} "
+            f"(unigram {rec['unigram_perplexity']:.1f}), next-token accuracy "
+            f"{rec['heldout_next_token_accuracy']:.2f}; training record in {out / RECORD}"
+        )
     if args.conversations:
         n = write_conversations(args.conversations, n=args.num_conversations)
         print(f"{n} conversations written to {args.conversations}")
@@ -124,11 +127,13 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, RegenerateConfig)
     rec = run_regenerate(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
     t = rec.totals
-    print(f"regenerated {output_uri(cfg)}: input rows {t['rows']} = written {t['written']} + quarantined "
-          f"{t['quarantined']}; {t['turns']} assistant turns by {rec.engine['name']} {rec.engine['version']} "
-          f"({'greedy' if rec.sampling.temperature == 0 else f'sampled, T={rec.sampling.temperature:g}'}), "
-          f"{t['cut_turns']} cut at max_new_tokens, {t['dropped_turns']} dropped\n"
-          f"extract from it: source: {{uri: {output_uri(cfg)}}}")
+    print(
+        f"regenerated {output_uri(cfg)}: input rows {t['rows']} = written {t['written']} + quarantined "
+        f"{t['quarantined']}; {t['turns']} assistant turns by {rec.engine['name']} {rec.engine['version']} "
+        f"({'greedy' if rec.sampling.temperature == 0 else f'sampled, T={rec.sampling.temperature:g}'}), "
+        f"{t['cut_turns']} cut at max_new_tokens, {t['dropped_turns']} dropped\n"
+        f"extract from it: source: {{uri: {output_uri(cfg)}}}"
+    )
     return 0
 
 
@@ -143,8 +148,9 @@ def cmd_extract(args: argparse.Namespace) -> int:
         from pipeline.demo.story import DEMO_ROOT, ensure_demo, regenerate_demo
 
         path = ensure_demo(DEMO_ROOT)
-        print(f"no --config: using the embedded default {path} (its source: the target's own answers, "
-              "regenerated first)")
+        print(
+            f"no --config: using the embedded default {path} (its source: the target's own answers, regenerated first)"
+        )
         regenerate_demo(path.parent)
         cfg = load_config(path, ExtractConfig)
     m = run_extract(cfg, progress=not args.no_progress, use_ray=not args.no_ray)
@@ -174,11 +180,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = run_train(cfg, use_ray=not args.no_ray)
     m = out["metrics"]
     ev = m.get("eval") or {}
-    print(f"trained {m['steps']} steps; eval acc per position {[round(a, 3) for a in ev.get('acc_per_pos', [])]}, "
-          f"simulated acceptance length {ev.get('sim_accept_len', float('nan')):.3f}")
+    print(
+        f"trained {m['steps']} steps; eval acc per position {[round(a, 3) for a in ev.get('acc_per_pos', [])]}, "
+        f"simulated acceptance length {ev.get('sim_accept_len', float('nan')):.3f}"
+    )
     for e in out["exports"]:
-        print(f"exported {e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}), "
-              f"digest {e['content_digest'][:16]}")
+        print(
+            f"exported {e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}), "
+            f"digest {e['content_digest'][:16]}"
+        )
     return 0
 
 
@@ -187,14 +197,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pipeline.train.export import export_run
 
     try:
-        out = export_run(args.run, engines=args.engine or None, dest_uri=args.out, engine_family=args.engine_family,
-                         dtype=args.dtype)
+        out = export_run(
+            args.run, engines=args.engine or None, dest_uri=args.out, engine_family=args.engine_family, dtype=args.dtype
+        )
     except ExportError as e:
         print(f"strata: cannot export: {e}", file=sys.stderr)
         return EXIT_USAGE
     for e in out:
-        print(f"{e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}) "
-              f"for {[c['kind'] + (':' + str(c['layer']) if c['layer'] is not None else '') for c in e['aux_capture_points']]}")
+        print(
+            f"{e['serving_engine']}: aux ids {e['aux_layer_ids']} ({e['aux_layer_ids_convention']}) "
+            f"for {[c['kind'] + (':' + str(c['layer']) if c['layer'] is not None else '') for c in e['aux_capture_points']]}"
+        )
     return 0
 
 
@@ -229,17 +242,30 @@ def _probe_config(args: argparse.Namespace):
 
     if args.config:
         cfg = load_config(args.config, ProbeConfig)
-        over = {k: v for k, v in (("draft", args.draft), ("conversations", args.conversations),
-                                  ("prompts", args.prompts), ("trained_on", _points(args.trained_on))) if v is not None}
+        over = {
+            k: v
+            for k, v in (
+                ("draft", args.draft),
+                ("conversations", args.conversations),
+                ("prompts", args.prompts),
+                ("trained_on", _points(args.trained_on)),
+            )
+            if v is not None
+        }
         if args.target:
             over["target"] = {"path": args.target}
         return ProbeConfig.model_validate({**cfg.model_dump(mode="json", exclude_none=True), **over})
     if not (args.draft and args.target):
         raise ConfigError("give --draft and --target (or --config with a serving section)")
-    return ProbeConfig.model_validate({"draft": args.draft, "target": {"path": args.target},
-                                       **({"conversations": args.conversations} if args.conversations else {}),
-                                       **({"prompts": args.prompts} if args.prompts else {}),
-                                       **({"trained_on": _points(args.trained_on)} if args.trained_on else {})})
+    return ProbeConfig.model_validate(
+        {
+            "draft": args.draft,
+            "target": {"path": args.target},
+            **({"conversations": args.conversations} if args.conversations else {}),
+            **({"prompts": args.prompts} if args.prompts else {}),
+            **({"trained_on": _points(args.trained_on)} if args.trained_on else {}),
+        }
+    )
 
 
 def _points(text: str | None) -> list[str] | None:
@@ -260,7 +286,9 @@ def cmd_probe(args: argparse.Namespace) -> int:
         print_json(r.model_dump_json(indent=1))
     else:
         print("\n".join(summary(r)))
-    return {"inferred": 0, "declared": 0, "pass": 0, "block": EXIT_BLOCKED, "inconclusive": EXIT_INCONCLUSIVE}[r.verdict]
+    return {"inferred": 0, "declared": 0, "pass": 0, "block": EXIT_BLOCKED, "inconclusive": EXIT_INCONCLUSIVE}[
+        r.verdict
+    ]
 
 
 def cmd_import(args: argparse.Namespace) -> int:
@@ -280,8 +308,13 @@ def cmd_import(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="strata-import-") as tmp:
         manifest = adopt(probe, Path(tmp) / "draft")
         digest = reg.add_artifact(Path(tmp) / "draft").content_digest
-    out = {"imported": digest, "registry": reg.store.uri, "trained_points": [str(p) for p in manifest.aux_capture_points],
-           "provenance": manifest.provenance, "probe": probe.report.summary}
+    out = {
+        "imported": digest,
+        "registry": reg.store.uri,
+        "trained_points": [str(p) for p in manifest.aux_capture_points],
+        "provenance": manifest.provenance,
+        "probe": probe.report.summary,
+    }
     if args.json:
         print_json(out)
     else:
@@ -353,18 +386,27 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
         spec = reg.create_channel(args.target, serving_for_channel(args.validate_config))
         doc: object = spec.model_dump(mode="json")
-        text = [f"channel {spec.channel}: serving key {spec.serving.key} ({spec.serving.engine} "
-                f"{spec.serving.engine_version}, {spec.serving.dtype}, TP {spec.serving.tp_size})"]
+        text = [
+            f"channel {spec.channel}: serving key {spec.serving.key} ({spec.serving.engine} "
+            f"{spec.serving.engine_version}, {spec.serving.dtype}, TP {spec.serving.tp_size})"
+        ]
     elif args.action == "add":
         m = reg.add_artifact(args.target)
-        doc, text = m.model_dump(mode="json"), [f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})"]
+        doc, text = (
+            m.model_dump(mode="json"),
+            [f"artifact {m.content_digest} ({m.serving_engine}, aux ids {m.aux_layer_ids})"],
+        )
     elif args.action == "ls":
         arts = {d: reg.artifact(d) for d in reg.artifacts()}
         pointers = {c: reg.pointer(c)[0] for c in reg.channels()}
-        doc = {"artifacts": [m.model_dump(mode="json") for m in arts.values()],
-               "channels": {c: p.artifact_digest if p else None for c, p in pointers.items()}}
-        text = [f"{d[:16]}  {m.serving_engine:<7} {m.target.model_name:<20} aux {m.aux_layer_ids}  dataset {m.dataset_id}"
-                for d, m in arts.items()]
+        doc = {
+            "artifacts": [m.model_dump(mode="json") for m in arts.values()],
+            "channels": {c: p.artifact_digest if p else None for c, p in pointers.items()},
+        }
+        text = [
+            f"{d[:16]}  {m.serving_engine:<7} {m.target.model_name:<20} aux {m.aux_layer_ids}  dataset {m.dataset_id}"
+            for d, m in arts.items()
+        ]
         text += [f"channel {c:<12} -> {p.artifact_digest[:16] if p else '(empty)'}" for c, p in pointers.items()]
     elif args.action == "show":
         m = reg.artifact(args.target)
@@ -372,13 +414,18 @@ def cmd_registry(args: argparse.Namespace) -> int:
             return _fail(f"strata: no artifact {args.target} in {reg.store.uri}", EXIT_USAGE, args.json)
         records = reg.records(args.target)
         doc = {"artifact": m.model_dump(mode="json"), "records": [r.model_dump(mode="json") for r in records]}
-        text = [m.model_dump_json(indent=1)] + [f"record {r.record_id}: {r.decision} for serving {r.serving.key} "
-                                                 f"({r.serving.engine}) {r.reasons}" for r in records]
+        text = [m.model_dump_json(indent=1)] + [
+            f"record {r.record_id}: {r.decision} for serving {r.serving.key} ({r.serving.engine}) {r.reasons}"
+            for r in records
+        ]
     else:
         events = reg.history(args.target)
         doc = [e.model_dump(mode="json") for e in events]
-        text = [f"{e.at}  {e.action:<14} {e.decision:<8} {e.channel or '-':<12} {(e.artifact_digest or '-')[:16]}  "
-                f"{'; '.join(e.reasons)}  by {e.actor}" for e in events]
+        text = [
+            f"{e.at}  {e.action:<14} {e.decision:<8} {e.channel or '-':<12} {(e.artifact_digest or '-')[:16]}  "
+            f"{'; '.join(e.reasons)}  by {e.actor}"
+            for e in events
+        ]
     if args.json:
         print_json(doc)
     else:
@@ -420,26 +467,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     t = m.totals
     print(f"dataset   {m.dataset_id}  (format v{m.format_version}, created {m.created_at})")
     print(f"target    {m.target.describe()}  arch {m.target.architecture}")
-    print(f"          weights {m.target.weights_sha256[:16]}  config {m.target.config_sha256[:16]}  "
-          f"tokenizer {m.target.tokenizer_sha256[:16]}  template {(m.target.chat_template_sha256 or '-')[:16]}")
+    print(
+        f"          weights {m.target.weights_sha256[:16]}  config {m.target.config_sha256[:16]}  "
+        f"tokenizer {m.target.tokenizer_sha256[:16]}  template {(m.target.chat_template_sha256 or '-')[:16]}"
+    )
     print(f"source    {m.source.uri}  ({m.source.format}, {m.source.rows} rows, sha256 {m.source.sha256[:16]})")
     print("columns:")
     print(f"  {'capture point':<18} {'boundary':<11} {'dtype':<9} {'H':>6}  {'engine':<20} native id")
     for c in m.columns:
         e = c.engine
-        print(f"  {str(c.capture_point):<18} {c.boundary:<11} {c.dtype:<9} {c.hidden_size:>6}  "
-              f"{e.name + ' ' + e.version:<20} {e.native_id} ({e.native_id_convention})")
+        print(
+            f"  {str(c.capture_point):<18} {c.boundary:<11} {c.dtype:<9} {c.hidden_size:>6}  "
+            f"{e.name + ' ' + e.version:<20} {e.native_id} ({e.native_id_convention})"
+        )
     print("shards:")
     print(f"  {'unit':>5} {'source rows':>13} {'rows':>6} {'quar':>5} {'tokens':>9} {'bytes':>12}  sha256")
     for s in m.shards:
-        print(f"  {s.unit:>5} {f'{s.source_rows[0]}-{s.source_rows[1]}':>13} {s.rows:>6} {s.quarantined:>5} "
-              f"{s.tokens:>9} {s.bytes:>12}  {(s.sha256 or '-')[:16]}")
-    print(f"totals    input {t.input_rows} = written {t.rows} + quarantined {t.quarantined}; "
-          f"{t.shards} shards, {t.tokens} tokens ({t.loss_tokens} trained on), {t.bytes / 1e6:.2f} MB")
+        print(
+            f"  {s.unit:>5} {f'{s.source_rows[0]}-{s.source_rows[1]}':>13} {s.rows:>6} {s.quarantined:>5} "
+            f"{s.tokens:>9} {s.bytes:>12}  {(s.sha256 or '-')[:16]}"
+        )
+    print(
+        f"totals    input {t.input_rows} = written {t.rows} + quarantined {t.quarantined}; "
+        f"{t.shards} shards, {t.tokens} tokens ({t.loss_tokens} trained on), {t.bytes / 1e6:.2f} MB"
+    )
     if not args.verify:
         print("verified  no: this lists the manifest only; --verify checks checksums, row counts and sample ids")
         return 0
-    print(f"verified  {'FAILED: ' + problem if problem else 'yes: every shard present and intact, rows and ids once, counts add up'}")
+    print(
+        f"verified  {'FAILED: ' + problem if problem else 'yes: every shard present and intact, rows and ids once, counts add up'}"
+    )
     return EXIT_BLOCKED if problem else 0
 
 
@@ -458,16 +515,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_data_commands(sub) -> None:
     """Local inputs (tiny target, conversations), the demo, and dataset inspection."""
-    s = sub.add_parser("make-tiny-target", help="build a tiny Llama + tokenizer locally, pretrained for a few minutes "
-                       "on the Python stdlib (deterministic, cached by content); --random skips the training")
+    s = sub.add_parser(
+        "make-tiny-target",
+        help="build a tiny Llama + tokenizer locally, pretrained for a few minutes "
+        "on the Python stdlib (deterministic, cached by content); --random skips the training",
+    )
     s.add_argument("dir")
     s.add_argument("--random", action="store_true", help="random-init weights (fast unit tests), no pretraining")
     s.add_argument("--steps", type=int, default=None, help="pretraining steps (default: the demo recipe's)")
     s.add_argument("--layers", type=int, default=None, help="default: 12 trained, 6 random")
     s.add_argument("--hidden", type=int, default=None, help="default: 128 trained, 256 random")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--arch", choices=ARCHS, default="llama",
-                   help="llama, or deepseek_v3: MLA attention, MoE layers, yarn rope (the incident's family)")
+    s.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default="llama",
+        help="llama, or deepseek_v3: MLA attention, MoE layers, yarn rope (the incident's family)",
+    )
     s.add_argument("--conversations", help="also write a conversations JSONL here")
     s.add_argument("--num-conversations", type=int, default=None)
     s.set_defaults(func=cmd_make_tiny_target)
@@ -478,23 +542,34 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--shape", choices=["messages", "sharegpt"], default="messages")
     s.set_defaults(func=cmd_make_conversations)
 
-    s = sub.add_parser("demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration")
-    s.add_argument("--sglang", action="store_true",
-                   help="then the incident on SGLang 0.5.18, served by its own server (~3 min more; needs .venv-sglang)")
+    s = sub.add_parser(
+        "demo", help="extract -> train -> validate -> promote on the embedded default, then a blocked misconfiguration"
+    )
+    s.add_argument(
+        "--sglang",
+        action="store_true",
+        help="then the incident on SGLang 0.5.18, served by its own server (~3 min more; needs .venv-sglang)",
+    )
     s.set_defaults(func=cmd_demo)
 
     s = sub.add_parser("inspect", help="show a dataset's provenance, shards and totals")
     s.add_argument("dataset")
     s.add_argument("--json", action="store_true")
-    s.add_argument("--verify", action="store_true",
-                   help="read every shard: checksums, source rows, unique ids, totals (exit 3 when anything is off)")
+    s.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every shard: checksums, source rows, unique ids, totals (exit 3 when anything is off)",
+    )
     s.set_defaults(func=cmd_inspect)
 
 
 def _add_job_commands(sub) -> None:
     """The pipeline's jobs: regenerate, extract, train, export, validate."""
-    s = sub.add_parser("regenerate", help="replace the conversations' assistant turns with the target's own "
-                       "responses, to train the draft on what it will be asked to predict (runs on Ray)")
+    s = sub.add_parser(
+        "regenerate",
+        help="replace the conversations' assistant turns with the target's own "
+        "responses, to train the draft on what it will be asked to predict (runs on Ray)",
+    )
     s.add_argument("--config", required=True, help="regeneration YAML (schemas/regenerate.py)")
     s.add_argument("--no-progress", action="store_true")
     s.add_argument("--no-ray", action="store_true", help="one engine in this process")
@@ -503,8 +578,11 @@ def _add_job_commands(sub) -> None:
     s = sub.add_parser("extract", help="capture hidden states into a Parquet dataset (runs on Ray)")
     s.add_argument("--config", help="extraction YAML; default: the embedded demo (tiny target, local Ray)")
     s.add_argument("--no-progress", action="store_true")
-    s.add_argument("--no-ray", action="store_true",
-                   help="one engine in this process (no Ray start, no actors: a single machine's quickest path)")
+    s.add_argument(
+        "--no-ray",
+        action="store_true",
+        help="one engine in this process (no Ray start, no actors: a single machine's quickest path)",
+    )
     s.set_defaults(func=cmd_extract)
 
     s = sub.add_parser("train", help="train an EAGLE-3 draft with DeepSpeed on Ray Train, then export it")
@@ -514,40 +592,62 @@ def _add_job_commands(sub) -> None:
 
     s = sub.add_parser("export", help="export a training run's latest checkpoint for SGLang and/or vLLM")
     s.add_argument("run", help="training run directory (the train config's output)")
-    s.add_argument("--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config")
+    s.add_argument(
+        "--engine", action="append", choices=["sglang", "vllm"], help="repeatable; default: the run's config"
+    )
     s.add_argument("--out", help="destination (default: <run>/export)")
-    s.add_argument("--engine-family", "--sglang-family", dest="engine_family", default=None,
-                   help="force the SGLang capture rule: an architecture or model file such as deepseek_v2 "
-                        "(default: the target's config.json architectures)")
+    s.add_argument(
+        "--engine-family",
+        "--sglang-family",
+        dest="engine_family",
+        default=None,
+        help="force the SGLang capture rule: an architecture or model file such as deepseek_v2 "
+        "(default: the target's config.json architectures)",
+    )
     s.add_argument("--dtype", choices=list(get_args(DType)), default=None)
     s.set_defaults(func=cmd_export)
 
-    s = sub.add_parser("validate", help="replay the probe set as the serving engine will; exit 0 pass, 3 block, 2 bad input")
+    s = sub.add_parser(
+        "validate", help="replay the probe set as the serving engine will; exit 0 pass, 3 block, 2 bad input"
+    )
     s.add_argument("--config", required=True)
     s.add_argument("--json", action="store_true", help="print the machine-readable verdict")
     s.add_argument("--report-dir", help="write report.md, report.json and heatmap.png here")
     s.add_argument("--registry", help="record the verdict in this registry")
-    s.add_argument("--no-cost", action="store_true",
-                   help="when blocked, skip timing what the configuration would cost (no speculation / as written / fixed)")
+    s.add_argument(
+        "--no-cost",
+        action="store_true",
+        help="when blocked, skip timing what the configuration would cost (no speculation / as written / fixed)",
+    )
     s.set_defaults(func=cmd_validate)
 
 
 def _add_probe_commands(sub) -> None:
     """Drafts trained elsewhere: which layers they were trained on, and adding them to a registry."""
-    for name, text in (("probe", "infer from its predictions which layers a draft was trained on; exit 0 inferred/pass, "
-                                 "3 the deployment feeds other layers, 4 inconclusive, 2 bad input"),
-                       ("import", "probe a draft trained elsewhere and add it to a registry with inferred provenance")):
+    for name, text in (
+        (
+            "probe",
+            "infer from its predictions which layers a draft was trained on; exit 0 inferred/pass, "
+            "3 the deployment feeds other layers, 4 inconclusive, 2 bad input",
+        ),
+        ("import", "probe a draft trained elsewhere and add it to a registry with inferred provenance"),
+    ):
         s = sub.add_parser(name, help=text)
         if name == "import":
             s.add_argument("dir", nargs="?", help="the draft directory")
-            s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+            s.add_argument(
+                "--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)"
+            )
         s.add_argument("--draft", help="the draft directory (SGLang/SpecForge, vLLM, speculators or Strata layout)")
         s.add_argument("--target", help="the target model directory")
         s.add_argument("--config", help="probe YAML (draft, target, conversations, serving: as for validate)")
         s.add_argument("--conversations", help="JSONL/Parquet conversations to probe with (default: built-in)")
         s.add_argument("--prompts", type=int, help="how many conversations (default 32)")
-        s.add_argument("--trained-on", help="the trained points as declared by whoever trained it, comma-separated "
-                       "(embedding,layer_output:3,layer_output:7); the probe's evidence is reported beside them")
+        s.add_argument(
+            "--trained-on",
+            help="the trained points as declared by whoever trained it, comma-separated "
+            "(embedding,layer_output:3,layer_output:7); the probe's evidence is reported beside them",
+        )
         s.add_argument("--json", action="store_true")
         s.set_defaults(func=cmd_probe if name == "probe" else cmd_import)
 
@@ -557,12 +657,17 @@ def _add_registry_commands(sub) -> None:
     s = sub.add_parser("promote", help="move a channel to an artifact (needs a passing validation record)")
     s.add_argument("artifact", help="artifact content digest")
     s.add_argument("--channel", required=True)
-    s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.add_argument(
+        "--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)"
+    )
     s.add_argument("--json", action="store_true", help="print the new pointer (or the refusal) as JSON")
     s.set_defaults(func=cmd_promote)
 
-    s = sub.add_parser("retrain", help="one pass: extract new rows, train, validate, promote through the gate; "
-                       "exit 0 promoted/nothing new, 3 blocked/refused, 75 another scheduler holds the lease")
+    s = sub.add_parser(
+        "retrain",
+        help="one pass: extract new rows, train, validate, promote through the gate; "
+        "exit 0 promoted/nothing new, 3 blocked/refused, 75 another scheduler holds the lease",
+    )
     s.add_argument("--config", required=True)
     s.add_argument("--every", help="repeat every interval (e.g. 6h) until SIGTERM")
     s.add_argument("--no-ray", action="store_true", help="extract and train in this process")
@@ -573,8 +678,12 @@ def _add_registry_commands(sub) -> None:
     s = sub.add_parser("registry", help="artifacts, channels and the audit log")
     s.add_argument("action", choices=["add", "ls", "show", "history", "create-channel"])
     s.add_argument("target", nargs="?", help="add: exported draft dir; show: digest; history/create-channel: channel")
-    s.add_argument("--validate-config", help="create-channel: the validation config whose serving spec the channel deploys")
-    s.add_argument("--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)")
+    s.add_argument(
+        "--validate-config", help="create-channel: the validation config whose serving spec the channel deploys"
+    )
+    s.add_argument(
+        "--registry", help="local dir or s3://bucket/prefix (default: $STRATA_REGISTRY or ./strata-registry)"
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_registry)
 

@@ -61,8 +61,13 @@ def init_ray(address: str | None = None, dashboard: bool = True) -> None:
         _started_locally = True
         log.info("starting a local Ray runtime (loopback only, token auth)")
         _loopback_only()
-        ray.init(address="local", include_dashboard=dashboard, dashboard_host="127.0.0.1", log_to_driver=True,
-                 _node_ip_address="127.0.0.1")
+        ray.init(
+            address="local",
+            include_dashboard=dashboard,
+            dashboard_host="127.0.0.1",
+            log_to_driver=True,
+            _node_ip_address="127.0.0.1",
+        )
         atexit.register(_stop_local_ray)  # runs before Ray's own exit hook (registered at import)
 
 
@@ -101,8 +106,15 @@ def require_resources(plan: str, bundles: list[dict[str, float]], fix: str, wait
     if (cpu < cpus or gpu < gpus) and wait_s > 0 and not _started_locally:
         from ray.autoscaler.sdk import request_resources
 
-        log.info("%s needs %g CPUs / %g GPUs, the cluster has %g / %g now: asking the autoscaler, waiting up to "
-                 "%g s", plan, cpus, gpus, cpu, gpu, wait_s)
+        log.info(
+            "%s needs %g CPUs / %g GPUs, the cluster has %g / %g now: asking the autoscaler, waiting up to %g s",
+            plan,
+            cpus,
+            gpus,
+            cpu,
+            gpu,
+            wait_s,
+        )
         request_resources(bundles=bundles)
         try:
             deadline = time.monotonic() + wait_s
@@ -113,8 +125,10 @@ def require_resources(plan: str, bundles: list[dict[str, float]], fix: str, wait
             request_resources(bundles=[])  # the job's own actors and tasks hold the nodes from here on
     if cpu < cpus or gpu < gpus:
         waited = f" after waiting {wait_s:g} s for the autoscaler" if wait_s > 0 and not _started_locally else ""
-        raise UnusableInput(f"{plan} = {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''}, but the Ray cluster has "
-                            f"{cpu:g} CPUs{f' and {gpu:g} GPUs' if gpus else ''}{waited}: {fix}, or add nodes")
+        raise UnusableInput(
+            f"{plan} = {cpus:g} CPUs{f' and {gpus:g} GPUs' if gpus else ''}, but the Ray cluster has "
+            f"{cpu:g} CPUs{f' and {gpu:g} GPUs' if gpus else ''}{waited}: {fix}, or add nodes"
+        )
 
 
 class Stalled(RuntimeError):
@@ -123,8 +137,10 @@ class Stalled(RuntimeError):
 
 
 def stalled(what: str, timeout_s: float, fix: str) -> Stalled:
-    return Stalled(f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
-                   f"(`ray status` lists pending demands) or the work is stuck; {fix}")
+    return Stalled(
+        f"{what}: nothing finished in {timeout_s:g} s. Ray may be unable to schedule the work "
+        f"(`ray status` lists pending demands) or the work is stuck; {fix}"
+    )
 
 
 def stall_guard(items: Iterator[T], timeout_s: float | None, what: str, fix: str) -> Iterator[T]:

@@ -90,8 +90,9 @@ def target_config(model_dir: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"target {model_dir}: no config.json; expected a HuggingFace-format model "
-                                "directory") from None
+        raise FileNotFoundError(
+            f"target {model_dir}: no config.json; expected a HuggingFace-format model directory"
+        ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"target {model_dir}: config.json is not valid JSON ({e})") from None
 

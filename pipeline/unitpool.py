@@ -40,8 +40,10 @@ def committed(fs, root: str, units_dir: str, record_cls, error: type[Exception],
         try:
             rec = record_cls.model_validate_json(read_bytes(fs, path))
         except ValueError as e:
-            raise error(f"{path}: unreadable commit record ({str(e).splitlines()[0]}); it was not written by "
-                        f"Strata's atomic commit: delete it to {redo} that unit") from None
+            raise error(
+                f"{path}: unreadable commit record ({str(e).splitlines()[0]}); it was not written by "
+                f"Strata's atomic commit: delete it to {redo} that unit"
+            ) from None
         out[rec.unit] = rec
     return out
 
@@ -54,15 +56,25 @@ class RayUnitPool:
         import ray
 
         self.r, self.what = r, what
-        remote = ray.remote(actor_cls).options(num_cpus=r.cpus_per_actor, num_gpus=r.gpus_per_actor or None,
-                                                max_restarts=ACTOR_RESTARTS, max_task_retries=ACTOR_RESTARTS)
+        remote = ray.remote(actor_cls).options(
+            num_cpus=r.cpus_per_actor,
+            num_gpus=r.gpus_per_actor or None,
+            max_restarts=ACTOR_RESTARTS,
+            max_task_retries=ACTOR_RESTARTS,
+        )
         # an idle actor would load the target for nothing
         self.actors = [remote.remote(*args) for _ in range(max(1, min(r.num_actors, units)))]
-        log.info("started %d %s(s) x %g CPU%s", len(self.actors), what, r.cpus_per_actor,
-                 f" x {r.gpus_per_actor:g} GPU" if r.gpus_per_actor else "")
+        log.info(
+            "started %d %s(s) x %g CPU%s",
+            len(self.actors),
+            what,
+            r.cpus_per_actor,
+            f" x {r.gpus_per_actor:g} GPU" if r.gpus_per_actor else "",
+        )
 
-    def run(self, payload: list[dict], progress: bool, desc: str,
-            postfix: Callable[[str], dict] | None = None) -> Iterator[str]:
+    def run(
+        self, payload: list[dict], progress: bool, desc: str, postfix: Callable[[str], dict] | None = None
+    ) -> Iterator[str]:
         """``actor.process(**item)`` for each item; each actor keeps ``IN_FLIGHT`` queued."""
         import ray
 
@@ -82,17 +94,22 @@ class RayUnitPool:
         while owner:
             ready, _ = ray.wait(list(owner), num_returns=1, timeout=timeout)
             if not ready:
-                raise stalled(f"{desc} of {len(payload)} units", timeout,
-                              "re-run to resume (committed units are kept), after freeing or adding resources or "
-                              "raising ray.stall_timeout_s")
+                raise stalled(
+                    f"{desc} of {len(payload)} units",
+                    timeout,
+                    "re-run to resume (committed units are kept), after freeing or adding resources or "
+                    "raising ray.stall_timeout_s",
+                )
             ref = ready[0]
             del owner[ref]
             try:
                 rec = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise RuntimeError(f"a {self.what} is gone ({str(e).splitlines()[0]}; a process that dies is "
-                                   f"restarted {ACTOR_RESTARTS} times); committed units are kept: re-run the job "
-                                   "to resume") from e
+                raise RuntimeError(
+                    f"a {self.what} is gone ({str(e).splitlines()[0]}; a process that dies is "
+                    f"restarted {ACTOR_RESTARTS} times); committed units are kept: re-run the job "
+                    "to resume"
+                ) from e
             fill()
             bar.update(1)
             if postfix is not None:
@@ -125,8 +142,9 @@ class LocalUnitPool:
     def __init__(self, worker):
         self.worker = worker
 
-    def run(self, payload: list[dict], progress: bool, desc: str,
-            postfix: Callable[[str], dict] | None = None) -> Iterator[str]:
+    def run(
+        self, payload: list[dict], progress: bool, desc: str, postfix: Callable[[str], dict] | None = None
+    ) -> Iterator[str]:
         for item in tqdm(payload, desc=desc, unit="unit", disable=not progress):
             yield self.worker.process(**item)
 

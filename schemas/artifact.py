@@ -13,7 +13,7 @@ from schemas.identity import TargetIdentity
 
 ARTIFACT_MANIFEST = "strata_artifact.json"
 ARTIFACT_WEIGHTS = "model.safetensors"
-ARTIFACT_CONFIG = "config.json"          # the draft config the serving engine reads
+ARTIFACT_CONFIG = "config.json"  # the draft config the serving engine reads
 # Not *.safetensors: vLLM and SGLang load every top-level *.safetensors of a draft as weights.
 ARTIFACT_FINGERPRINTS = "strata_fingerprints.st"
 
@@ -22,21 +22,21 @@ class DraftArtifactManifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     format_version: int = 1
-    content_digest: str                    # sha256 over weights + config.json of this directory
+    content_digest: str  # sha256 over weights + config.json of this directory
     serving_engine: Literal["sglang", "vllm"]
-    engine_family: str | None = None       # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
+    engine_family: str | None = None  # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
     aux_capture_points: list[CapturePoint]  # slot order (ascending along the forward pass)
-    aux_layer_ids: list[int]               # what config.json carries, in this engine's convention
+    aux_layer_ids: list[int]  # what config.json carries, in this engine's convention
     aux_layer_ids_convention: str
-    engine_release: str | None = None      # the release the ids were written for
-    ids_valid_for: list[str] = []          # every known release (range) that reads them as aux_capture_points
+    engine_release: str | None = None  # the release the ids were written for
+    ids_valid_for: list[str] = []  # every known release (range) that reads them as aux_capture_points
     target: TargetIdentity
     dataset_id: str | None = None
     dataset_manifest_sha256: str | None = None
     draft_config: dict
     training: dict = {}
     metrics: dict = {}
-    fingerprints: dict | None = None       # sketches of the trained points on held-out samples
+    fingerprints: dict | None = None  # sketches of the trained points on held-out samples
     # "fingerprints": the trained points are the training data's own (extraction provenance);
     # "inferred": a draft trained elsewhere, its points inferred by ``strata probe`` (evidence in ``probe``)
     # "declared": stated by whoever trained it (the probe's evidence beside it)

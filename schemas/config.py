@@ -71,5 +71,3 @@ def validate_config(raw: dict, model: type[M], where: str = "config") -> M:
         return model.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, where)) from None
-
-

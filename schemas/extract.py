@@ -19,11 +19,14 @@ class SourceConfig(Strict):
 
 class EngineConfig(Strict):
     name: Literal["hf", "vllm", "sglang"] = Field(
-        "hf", description="hf: forward hooks; vllm: extract_hidden_states (CPU or GPU); sglang: GPU clusters")
+        "hf", description="hf: forward hooks; vllm: extract_hidden_states (CPU or GPU); sglang: GPU clusters"
+    )
     dtype: DType = "bfloat16"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="hf only")
-    batch_tokens: int = Field(16384, gt=0, description="tokens per forward batch: samples packed end to end, never padded")
+    batch_tokens: int = Field(
+        16384, gt=0, description="tokens per forward batch: samples packed end to end, never padded"
+    )
     tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per extraction actor (vllm, sglang)")
     max_model_len: int = Field(4096, gt=1, description="vllm/sglang context length; >= max_length + 1")
 
@@ -40,14 +43,23 @@ class RayConfig(Strict):
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
     resource_wait_s: float = Field(
-        600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
-        "provide the actors' CPUs/GPUs before refusing (a local Ray is checked at once)")
+        600,
+        ge=0,
+        description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
+        "provide the actors' CPUs/GPUs before refusing (a local Ray is checked at once)",
+    )
     stall_timeout_s: float | None = Field(
-        3600, ge=0, description="stop with an error when no unit is committed for this long (the first unit "
-        "includes loading the target); Ray otherwise waits forever on work it cannot schedule. 0 or null: no limit")
+        3600,
+        ge=0,
+        description="stop with an error when no unit is committed for this long (the first unit "
+        "includes loading the target); Ray otherwise waits forever on work it cannot schedule. 0 or null: no limit",
+    )
     writer_threads: int | None = Field(
-        None, ge=1, description="threads per capture actor that compress and write byte planes while the engine "
-        "computes the next batch; None: one per CPU the actor holds beyond the first, at least one")
+        None,
+        ge=1,
+        description="threads per capture actor that compress and write byte planes while the engine "
+        "computes the next batch; None: one per CPU the actor holds beyond the first, at least one",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -55,8 +67,12 @@ class RayConfig(Strict):
         """``cpus_per_tokenize_task`` is gone (the capture actors tokenize their own units): a config
         that still sets it runs, with a warning, since it never changed the data."""
         if isinstance(data, dict) and "cpus_per_tokenize_task" in data:
-            warnings.warn("ray.cpus_per_tokenize_task is ignored: capture actors tokenize their own units; "
-                          "remove it from the config", FutureWarning, stacklevel=2)
+            warnings.warn(
+                "ray.cpus_per_tokenize_task is ignored: capture actors tokenize their own units; "
+                "remove it from the config",
+                FutureWarning,
+                stacklevel=2,
+            )
             data = {k: v for k, v in data.items() if k != "cpus_per_tokenize_task"}
         return data
 
@@ -94,18 +110,24 @@ class ExtractConfig(Strict):
     def _engine_fits(self) -> ExtractConfig:
         e = self.engine
         if e.name == "hf" and e.tp_size > 1:
-            raise ValueError("engine.tp_size > 1 needs engine vllm or sglang; the hf engine splits a large target "
-                             "layer-wise over the actor's GPUs instead (set ray.gpus_per_actor)")
+            raise ValueError(
+                "engine.tp_size > 1 needs engine vllm or sglang; the hf engine splits a large target "
+                "layer-wise over the actor's GPUs instead (set ray.gpus_per_actor)"
+            )
         if e.tp_size > 1 and self.ray.gpus_per_actor != e.tp_size:
-            raise ValueError(f"ray.gpus_per_actor must equal engine.tp_size ({e.tp_size}): each extraction actor "
-                             f"hosts one tensor-parallel replica of the target, got {self.ray.gpus_per_actor}")
+            raise ValueError(
+                f"ray.gpus_per_actor must equal engine.tp_size ({e.tp_size}): each extraction actor "
+                f"hosts one tensor-parallel replica of the target, got {self.ray.gpus_per_actor}"
+            )
         if e.name != "hf" and e.max_model_len < self.max_length + 1:
             raise ValueError(f"engine.max_model_len {e.max_model_len} must exceed max_length {self.max_length}")
         if e.name != "hf":
             post = [str(p) for p in self.capture if p.kind == "final" and p.norm == "post"]
             if post:
-                raise ValueError(f"engine {e.name} captures the residual stream only (pre-norm); it cannot capture "
-                                 f"{post}: drop it or use engine hf")
+                raise ValueError(
+                    f"engine {e.name} captures the residual stream only (pre-norm); it cannot capture "
+                    f"{post}: drop it or use engine hf"
+                )
         return self
 
     @field_validator("capture", mode="before")

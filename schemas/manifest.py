@@ -30,8 +30,8 @@ class ShardRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     unit: int
-    source_rows: tuple[int, int]         # [start, end) of source row indices
-    path: str | None                     # relative to the dataset root; None if no rows
+    source_rows: tuple[int, int]  # [start, end) of source row indices
+    path: str | None  # relative to the dataset root; None if no rows
     rows: int
     tokens: int
     loss_tokens: int
@@ -39,7 +39,7 @@ class ShardRecord(BaseModel):
     bytes: int
     sha256: str | None
     quarantine_path: str | None = None
-    inherited_from: str | None = None    # dataset id of the earlier version this shard belongs to
+    inherited_from: str | None = None  # dataset id of the earlier version this shard belongs to
     # Seconds this unit spent per stage (tokenize, forward, byte_split, compress, parquet, hash,
     # write, commit, writer_wait; engine_start on the first unit each capture actor commits).
     seconds: dict[str, float] = {}
@@ -72,7 +72,7 @@ class DatasetManifest(BaseModel):
     shards: list[ShardRecord]
     totals: Totals
     quarantine_path: str | None = None
-    fingerprints: dict | None = None   # {"path", "sha256", "probe_samples", "dim", "seed"}
+    fingerprints: dict | None = None  # {"path", "sha256", "probe_samples", "dim", "seed"}
     # Wall seconds of the job that wrote this version, per stage (target_identity, source_scan,
     # ray_start, capture, manifest, fingerprints, total); per-unit stages are in each shard.
     seconds: dict[str, float] = {}
@@ -105,10 +105,14 @@ class DatasetManifest(BaseModel):
         pos = 0
         for a, b in covered:
             if a != pos:
-                raise ValueError(f"manifest {self.dataset_id}: source rows {pos}..{a} are not covered by any shard (or covered twice)")
+                raise ValueError(
+                    f"manifest {self.dataset_id}: source rows {pos}..{a} are not covered by any shard (or covered twice)"
+                )
             pos = b
         if pos != self.source.rows:
-            raise ValueError(f"manifest {self.dataset_id}: shards cover {pos} source rows, source has {self.source.rows}")
+            raise ValueError(
+                f"manifest {self.dataset_id}: shards cover {pos} source rows, source has {self.source.rows}"
+            )
         if rows + quar != self.source.rows:
             raise ValueError(
                 f"manifest {self.dataset_id}: counts do not reconcile: input {self.source.rows} != "
@@ -116,13 +120,17 @@ class DatasetManifest(BaseModel):
             )
         all_rows, all_quar = sum(s.rows for s in self.shards), sum(s.quarantined for s in self.shards)
         if all_rows != self.totals.rows or all_quar != self.totals.quarantined:
-            raise ValueError(f"manifest {self.dataset_id}: totals ({self.totals.rows} rows, {self.totals.quarantined} "
-                             f"quarantined) disagree with its shards ({all_rows}, {all_quar})")
+            raise ValueError(
+                f"manifest {self.dataset_id}: totals ({self.totals.rows} rows, {self.totals.quarantined} "
+                f"quarantined) disagree with its shards ({all_rows}, {all_quar})"
+            )
         for field in ("tokens", "loss_tokens", "bytes"):
             summed = sum(getattr(s, field) for s in self.shards)
             if summed != getattr(self.totals, field):
-                raise ValueError(f"manifest {self.dataset_id}: totals.{field} {getattr(self.totals, field)} != the "
-                                 f"shards' sum {summed}")
+                raise ValueError(
+                    f"manifest {self.dataset_id}: totals.{field} {getattr(self.totals, field)} != the "
+                    f"shards' sum {summed}"
+                )
         unknown = {s.inherited_from for s in self.shards if s.inherited_from} - set(self.parents)
         if unknown:
             raise ValueError(f"manifest {self.dataset_id}: shards inherited from {sorted(unknown)}, not in its parents")

@@ -15,9 +15,14 @@ class ProbeConfig(ProbeOptions):
     model_config = ConfigDict(extra="forbid")
 
     draft: str = Field(description="the draft directory: SpecForge/SGLang/vLLM (eagle3), speculators or Strata layout")
-    target: TargetConfig | None = Field(None, description="the target the draft speculates for; default: serving.target")
-    serving: ServingConfig | None = Field(None, description="also say what this deployment feeds the draft and "
-                                          "block when it differs from the inferred training set")
+    target: TargetConfig | None = Field(
+        None, description="the target the draft speculates for; default: serving.target"
+    )
+    serving: ServingConfig | None = Field(
+        None,
+        description="also say what this deployment feeds the draft and "
+        "block when it differs from the inferred training set",
+    )
     registry: str | None = Field(None, description="strata import: the registry to add the draft to")
 
     @model_validator(mode="after")
@@ -31,9 +36,9 @@ class ProbeConfig(ProbeOptions):
 
 class Candidate(BaseModel):
     points: list[CapturePoint]
-    boundaries: list[str]                 # r_k labels
-    agreement: list[float]                # per TTT step
-    why: list[str]                        # how it became a candidate (a tool's reading, a shift, the search)
+    boundaries: list[str]  # r_k labels
+    agreement: list[float]  # per TTT step
+    why: list[str]  # how it became a candidate (a tool's reading, a shift, the search)
 
 
 class ProbeReport(BaseModel):
@@ -47,18 +52,18 @@ class ProbeReport(BaseModel):
     num_layers: int
     prompts: int
     positions: int
-    claimed: dict[str, list[int]]         # config key -> ids, as written
+    claimed: dict[str, list[int]]  # config key -> ids, as written
     declared: list[CapturePoint] | None = None  # trained_on, as given
     provenance: Literal["inferred", "declared"] | None = None  # where the trained points come from; None: unknown
     best: Candidate
     runner_up: Candidate
-    margin: float                         # pooled agreement difference, best - runner-up
-    margin_se: float                      # bootstrap standard error over prompts
+    margin: float  # pooled agreement difference, best - runner-up
+    margin_se: float  # bootstrap standard error over prompts
     z: float
-    spread: float                         # best agreement minus the median candidate's (layer dependence)
-    slots: list[dict] = []                # per slot, the others held at the best set: its boundary, next best, margin
-    evaluated: int                        # candidate sets scored
-    claimed_readings: list[dict]          # who reads the config how, and its agreement
-    serving: dict | None = None           # what the deployment feeds (measured or by rule) and the fix
+    spread: float  # best agreement minus the median candidate's (layer dependence)
+    slots: list[dict] = []  # per slot, the others held at the best set: its boundary, next best, margin
+    evaluated: int  # candidate sets scored
+    claimed_readings: list[dict]  # who reads the config how, and its agreement
+    serving: dict | None = None  # what the deployment feeds (measured or by rule) and the fix
     reasons: list[str] = []
     notes: list[str] = []

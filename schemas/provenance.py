@@ -19,10 +19,10 @@ class EngineRef(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    name: str                      # "hf", "vllm", "sglang"
+    name: str  # "hf", "vllm", "sglang"
     version: str
-    native_id: int | None          # the engine's own integer for this point, if it has one
-    native_id_convention: str      # what that integer means, e.g. "hf_hidden_states_index"
+    native_id: int | None  # the engine's own integer for this point, if it has one
+    native_id_convention: str  # what that integer means, e.g. "hf_hidden_states_index"
     tp_size: int = 1
 
 
@@ -30,10 +30,10 @@ class TensorProvenance(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     capture_point: CapturePoint
-    boundary: str                  # "r_3" or "final_post": the same fact in boundary notation (pipeline.conventions)
+    boundary: str  # "r_3" or "final_post": the same fact in boundary notation (pipeline.conventions)
     dtype: DType
     hidden_size: int
-    encoding: str                  # see schemas.dataset.ENCODING_DOC
+    encoding: str  # see schemas.dataset.ENCODING_DOC
     engine: EngineRef
     target_model: str
-    target_key: str                # TargetIdentity.key of the model that produced it
+    target_key: str  # TargetIdentity.key of the model that produced it

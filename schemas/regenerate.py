@@ -47,8 +47,9 @@ class RegenerateConfig(Strict):
     engine: GenerateEngineConfig = GenerateEngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     max_new_tokens: int = Field(512, ge=1, description="per assistant turn; a turn that reaches it is kept, cut")
-    max_length: int = Field(2048, gt=1, description="a turn whose prompt is longer is dropped with the rest of the "
-                            "conversation")
+    max_length: int = Field(
+        2048, gt=1, description="a turn whose prompt is longer is dropped with the rest of the conversation"
+    )
     ray: RayConfig = RayConfig()
     s3: S3Config = S3Config()
 
@@ -56,11 +57,15 @@ class RegenerateConfig(Strict):
     def _fits(self) -> RegenerateConfig:
         e = self.engine
         if e.name != "hf" and e.max_model_len < self.max_length + self.max_new_tokens:
-            raise ValueError(f"engine.max_model_len {e.max_model_len} must hold max_length {self.max_length} + "
-                             f"max_new_tokens {self.max_new_tokens}")
+            raise ValueError(
+                f"engine.max_model_len {e.max_model_len} must hold max_length {self.max_length} + "
+                f"max_new_tokens {self.max_new_tokens}"
+            )
         if e.name == "sglang" and self.sampling.temperature > 0:
-            raise ValueError("sampling.temperature > 0 with engine sglang: seeded sampling is supported on hf and "
-                             "vllm; use one of those or temperature 0 (greedy)")
+            raise ValueError(
+                "sampling.temperature > 0 with engine sglang: seeded sampling is supported on hf and "
+                "vllm; use one of those or temperature 0 (greedy)"
+            )
         return self
 
 
@@ -71,12 +76,12 @@ class UnitRecord(BaseModel):
 
     unit: int
     start: int
-    rows: int                 # source rows in the unit
-    written: int              # conversations written (quarantined rows are not)
+    rows: int  # source rows in the unit
+    written: int  # conversations written (quarantined rows are not)
     quarantined: int
-    turns: int                # assistant turns regenerated
-    cut_turns: int            # turns that reached max_new_tokens
-    dropped_turns: int        # turns dropped (empty response, prompt over max_length) with what followed
+    turns: int  # assistant turns regenerated
+    cut_turns: int  # turns that reached max_new_tokens
+    dropped_turns: int  # turns dropped (empty response, prompt over max_length) with what followed
     generated_tokens: int
     path: str
     sha256: str
@@ -88,13 +93,13 @@ class RegenerationRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: str                  # fingerprint of what decided the output (config, target, source)
+    job: str  # fingerprint of what decided the output (config, target, source)
     target: TargetIdentity
-    engine: dict              # name, version, dtype
+    engine: dict  # name, version, dtype
     sampling: SamplingConfig
     max_new_tokens: int
     max_length: int
-    source: dict              # uri, sha256, rows of the original conversations
-    output_sha256: str        # of conversations.jsonl: extraction checks it before trusting this record
-    totals: dict              # rows, written, quarantined, turns, cut_turns, dropped_turns, generated_tokens
+    source: dict  # uri, sha256, rows of the original conversations
+    output_sha256: str  # of conversations.jsonl: extraction checks it before trusting this record
+    totals: dict  # rows, written, quarantined, turns, cut_turns, dropped_turns, generated_tokens
     quarantine: list[dict] = []

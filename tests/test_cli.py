@@ -17,9 +17,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 def validate_config(tmp_path: Path, art: Path, target: Path, replay: str = "hf", **serving) -> Path:
     p = tmp_path / f"validate-{len(list(tmp_path.iterdir()))}.yaml"
-    p.write_text(json.dumps({"artifact": str(art), "acceptance_prompts": 2, "max_new_tokens": 8, "serving": {
-        "engine": "vllm", "replay": replay, "dtype": "float32", "max_model_len": 512, "target": {"path": str(target)},
-        **serving}}))
+    p.write_text(
+        json.dumps(
+            {
+                "artifact": str(art),
+                "acceptance_prompts": 2,
+                "max_new_tokens": 8,
+                "serving": {
+                    "engine": "vllm",
+                    "replay": replay,
+                    "dtype": "float32",
+                    "max_model_len": 512,
+                    "target": {"path": str(target)},
+                    **serving,
+                },
+            }
+        )
+    )
     return p
 
 
@@ -27,8 +41,13 @@ def validate_config(tmp_path: Path, art: Path, target: Path, replay: str = "hf",
 def test_validate_json_through_vllm_is_one_document_on_stdout(vllm_engine, trained_run, tiny_target, tmp_path):
     """vLLM really starts (replay and EAGLE-3 serving) in a separate process and logs plenty."""
     cfg = validate_config(tmp_path, trained_run / "export" / "vllm", tiny_target, replay="engine")
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "validate", "--config", str(cfg), "--json", "--no-cost"],
-                         cwd=REPO, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "validate", "--config", str(cfg), "--json", "--no-cost"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)  # the whole of stdout: one JSON document
     assert report["decision"] == "pass" and report["acceptance"]["measured_by"].startswith("vllm")
@@ -61,24 +80,38 @@ def test_unusable_inputs_exit_2_not_1(trained_run, tiny_target, tmp_path, capsys
     (2), with a JSON error document under --json."""
     mamba = shutil.copytree(tiny_target, tmp_path / "mamba")
     cfg = json.loads((mamba / "config.json").read_text())
-    (mamba / "config.json").write_text(json.dumps({**cfg, "model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    (mamba / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "mamba", "architectures": ["MambaForCausalLM"]})
+    )
     art = trained_run / "export" / "vllm"
     assert strata(["validate", "--config", str(validate_config(tmp_path, art, mamba)), "--json"]) == 2
     out = capsys.readouterr()
-    assert json.loads(out.out)["exit_code"] == 2 and "no vllm rule is known for architecture MambaForCausalLM" in out.err
+    assert (
+        json.loads(out.out)["exit_code"] == 2 and "no vllm rule is known for architecture MambaForCausalLM" in out.err
+    )
 
     unmappable = tmp_path / "ids.json"
-    unmappable.write_text(json.dumps({**json.loads((art / "config.json").read_text()),
-                                      "eagle_aux_hidden_state_layer_ids": [1, 2, 40]}))
-    code = strata(["validate", "--config", str(validate_config(tmp_path, art, tiny_target,
-                                                               draft_config=str(unmappable)))])
+    unmappable.write_text(
+        json.dumps({**json.loads((art / "config.json").read_text()), "eagle_aux_hidden_state_layer_ids": [1, 2, 40]})
+    )
+    code = strata(
+        ["validate", "--config", str(validate_config(tmp_path, art, tiny_target, draft_config=str(unmappable)))]
+    )
     # A verdict on the configuration (the engine would not start with it), naming the tensor.
     assert code == 3 and "r_40 (no such boundary: the target has 6 layers)" in capsys.readouterr().out
 
     extract_cfg = tmp_path / "extract.yaml"
-    extract_cfg.write_text(json.dumps({"target": {"path": str(mamba)}, "source": {"uri": str(tmp_path / "none.jsonl")},
-                                       "output": {"uri": str(tmp_path / "ds")}, "capture": ["layer_output:1"],
-                                       "engine": {"name": "vllm"}}))
+    extract_cfg.write_text(
+        json.dumps(
+            {
+                "target": {"path": str(mamba)},
+                "source": {"uri": str(tmp_path / "none.jsonl")},
+                "output": {"uri": str(tmp_path / "ds")},
+                "capture": ["layer_output:1"],
+                "engine": {"name": "vllm"},
+            }
+        )
+    )
     assert strata(["extract", "--config", str(extract_cfg)]) == 2
     assert "no vllm rule is known for architecture MambaForCausalLM" in capsys.readouterr().err
     assert strata(["inspect", str(tmp_path / "nowhere"), "--json"]) == 2

@@ -46,8 +46,12 @@ def test_ids_for_points(n, points, hf, vllm, sglang_llama, specforge, gpt_oss):
         assert cv.aux_ids_for(points, tool, n) == specforge
     assert cv.aux_ids_for(points, "sglang", n, "gpt_oss") == gpt_oss
     # ...and every tool reads its own list back as the same points.
-    for tool, ids, fam in [("vllm", vllm, "llama"), ("sglang", sglang_llama, "llama"),
-                           ("specforge", specforge, "llama"), ("sglang", gpt_oss, "gpt_oss")]:
+    for tool, ids, fam in [
+        ("vllm", vllm, "llama"),
+        ("sglang", sglang_llama, "llama"),
+        ("specforge", specforge, "llama"),
+        ("sglang", gpt_oss, "gpt_oss"),
+    ]:
         assert cv.points_read_from(ids, tool, n, fam) == points
 
 
@@ -65,8 +69,8 @@ def test_hf_hidden_states_index(n):
     assert cv.hf_hidden_states_index(E, n) == 0
     assert cv.hf_hidden_states_index(O(0), n) == 1
     assert cv.hf_hidden_states_index(O(n - 2), n) == n - 1
-    assert cv.hf_hidden_states_index(POST, n) == n            # [N] is post-norm
-    assert cv.hf_hidden_states_index(O(n - 1), n) is None      # r_N pre-norm is not exposed...
+    assert cv.hf_hidden_states_index(POST, n) == n  # [N] is post-norm
+    assert cv.hf_hidden_states_index(O(n - 1), n) is None  # r_N pre-norm is not exposed...
     assert cv.hf_hidden_states_index(PRE, n, last_is_post_norm=False) == n  # ...unless untied
     assert cv.from_hf_hidden_states_index(n, n) == POST
     assert cv.from_hf_hidden_states_index(3, n) == O(2)
@@ -147,9 +151,9 @@ def test_draft_config_reading_rules():
     top = {cv.AUX_KEY: [2, 16, 29], "eagle_config": {cv.AUX_KEY: [1, 15, 28]}}
     nested_only = {"eagle_config": {cv.AUX_KEY: [1, 15, 28]}}
     assert cv.ids_in_draft_config(top, "vllm") == ([2, 16, 29], cv.AUX_KEY)
-    assert cv.ids_in_draft_config(nested_only, "vllm")[0] == [1, 15, 28]       # V1 runner falls back (>= 0.22)
-    assert cv.ids_in_draft_config(nested_only, "vllm", runner="v2")[0] is None   # Model Runner V2 never does
-    assert cv.ids_in_draft_config(top, "sglang")[0] == [1, 15, 28]              # nested only
+    assert cv.ids_in_draft_config(nested_only, "vllm")[0] == [1, 15, 28]  # V1 runner falls back (>= 0.22)
+    assert cv.ids_in_draft_config(nested_only, "vllm", runner="v2")[0] is None  # Model Runner V2 never does
+    assert cv.ids_in_draft_config(top, "sglang")[0] == [1, 15, 28]  # nested only
     assert cv.ids_in_draft_config({cv.AUX_KEY: [2, 16, 29]}, "sglang")[0] is None  # silent default
     # An SGLang-format config read by vLLM's rules: o-ids taken as r-ids, shifted by one.
     ids, _ = cv.ids_in_draft_config(nested_only, "vllm")
@@ -158,4 +162,9 @@ def test_draft_config_reading_rules():
 
 def test_boundary_labels_and_list():
     assert cv.boundary_label(O(2), 6) == "r_3" and cv.boundary_label(POST, 6) == "final_post"
-    assert [str(p) for p in cv.all_boundaries(2)] == ["embedding", "layer_output:0", "layer_output:1", "final:post_norm"]
+    assert [str(p) for p in cv.all_boundaries(2)] == [
+        "embedding",
+        "layer_output:0",
+        "layer_output:1",
+        "final:post_norm",
+    ]

@@ -31,8 +31,11 @@ def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_r
     # ... which training's plan holds out, even where the eval fraction alone would not.
     run_cfg = json.loads((pretrained_run / "run.json").read_text())["cfg"]
     for fraction in (0.05, 0.0):
-        plan = prepare(TrainConfig.model_validate({**run_cfg, "output": str(tmp_path / f"plan-{fraction}"),
-                                                   "eval_fraction": fraction}))
+        plan = prepare(
+            TrainConfig.model_validate(
+                {**run_cfg, "output": str(tmp_path / f"plan-{fraction}"), "eval_fraction": fraction}
+            )
+        )
         trained_on = {r["sample_id"] for r in plan.train_refs}
         assert trained_on and not trained_on & set(fp.sample_ids)
         assert set(fp.sample_ids) <= {r["sample_id"] for r in plan.eval_refs}
@@ -46,7 +49,8 @@ def test_heldout_acceptance_is_recorded_on_prompts_never_trained_on(pretrained_r
     lines = [json.loads(x) for x in (pretrained_run / "metrics.jsonl").read_text().splitlines()]
     assert [x for x in lines if x.get("kind") == "heldout_acceptance"] == [held]
     manifest = DraftArtifactManifest.model_validate_json(
-        (pretrained_run / "export" / "vllm" / ARTIFACT_MANIFEST).read_text())
+        (pretrained_run / "export" / "vllm" / ARTIFACT_MANIFEST).read_text()
+    )
     assert manifest.metrics["heldout_acceptance"] == held
     # The draft learned the trained target: it accepts more than an untrained draft's ~1.0.
     assert held["mean_acceptance_length"] > 1.2, held
@@ -69,10 +73,22 @@ def validate(run, target, tmp_path, ids=None, **kw):
         cfg[AUX_KEY] = ids
     p = tmp_path / f"config-{len(list(tmp_path.iterdir()))}.json"
     p.write_text(json.dumps(cfg))
-    return run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32",
-                                               "max_model_len": 512, "target": {"path": str(target)},
-                                               "draft_config": str(p)}, **kw}))
+    return run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(art),
+                "serving": {
+                    "engine": "vllm",
+                    "replay": "engine",
+                    "dtype": "float32",
+                    "max_model_len": 512,
+                    "target": {"path": str(target)},
+                    "draft_config": str(p),
+                },
+                **kw,
+            }
+        )
+    )
 
 
 @pytest.mark.vllm
@@ -84,7 +100,7 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     registry = tmp_path / "registry"
     ok = validate(pretrained_run, pretrained_target, tmp_path, registry=str(registry))
     assert ok.decision == "pass", ok.reasons
-    assert ok.cost is None                                   # never for a passing configuration
+    assert ok.cost is None  # never for a passing configuration
     # One definition of acceptance (pipeline.acceptance), one protocol (schemas.acceptance): vLLM's
     # counters, the reference decoding and training's held-out measurement of this draft and this
     # (correct) configuration agree within their noise.
@@ -93,13 +109,24 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     assert served["prompts"] == ref["prompts"] == held["prompts"] == 8 and held["max_new_tokens"] == 32
     for other in (ref, held):
         _agree(served, other)
-    assert ref["verify_steps"] == held["verify_steps"]     # the same decoding, at training and here
+    assert ref["verify_steps"] == held["verify_steps"]  # the same decoding, at training and here
     reg = Registry(LocalStore(registry))
     # The channel deploys the passing configuration; promote, then validate the incident's config.
     good_cfg = tmp_path / "validate-good.yaml"
-    good_cfg.write_text(json.dumps({"artifact": str(pretrained_run / "export" / "vllm"), "serving": {
-        "engine": "vllm", "dtype": "float32", "max_model_len": 512, "target": {"path": str(pretrained_target)},
-        "draft_config": str(tmp_path / "config-0.json")}}))
+    good_cfg.write_text(
+        json.dumps(
+            {
+                "artifact": str(pretrained_run / "export" / "vllm"),
+                "serving": {
+                    "engine": "vllm",
+                    "dtype": "float32",
+                    "max_model_len": 512,
+                    "target": {"path": str(pretrained_target)},
+                    "draft_config": str(tmp_path / "config-0.json"),
+                },
+            }
+        )
+    )
     reg.create_channel("production", serving_for_channel(str(good_cfg)))
     before = reg.promote(ok.artifact_digest, "production")
     history = len(reg.history("production"))
@@ -115,16 +142,19 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_per_pos"] == sorted(r["acceptance_per_pos"], reverse=True)
         # vLLM's accepted-tokens and per-position counters agree (the table rounds each to 3 places).
         assert r["mean_acceptance_length"] == pytest.approx(1 + sum(r["acceptance_per_pos"]), abs=2.5e-3)
-        assert r["same_output_as_no_speculation"]            # speculation is lossless either way (fp32)
-        assert r["speedup_vs_no_speculation"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"],
-                                                               rel=1e-2)
+        assert r["same_output_as_no_speculation"]  # speculation is lossless either way (fp32)
+        assert r["speedup_vs_no_speculation"] == pytest.approx(
+            r["decode_tokens_per_s"] / base["decode_tokens_per_s"], rel=1e-2
+        )
     for r in (written, fixed):
         assert 1.0 <= r["mean_acceptance_length"] <= 4.0 and r["mean_acceptance_length_se"] is not None
         assert r["decode_tokens_per_s_se"] > 0
     # Generations stop at the end of the assistant turn, as served (a cap of 32 tokens otherwise).
     assert 0 < base["ended_turn"] <= 8 and base["new_tokens"] < 8 * 32
     # The correct-ids row is the passing configuration: the same measurement as validation's.
-    _agree(served, {"mean_acceptance_length": fixed["mean_acceptance_length"], "se": fixed["mean_acceptance_length_se"]})
+    _agree(
+        served, {"mean_acceptance_length": fixed["mean_acceptance_length"], "se": fixed["mean_acceptance_length_se"]}
+    )
     assert bad.cost["note"].startswith("measured for this report only")
     # Nothing moved the channel, and no draft loaded for the table is still being served.
     assert reg.pointer("production")[0] == before and len(reg.history("production")) == history
@@ -142,9 +172,11 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     assert len(lines) == 3 and all("mean acceptance length" in x and " +- " in x for x in lines), lines
     table = acceptance_table(ok.acceptance)
     assert table[0].startswith("| configuration | measured by | prompts | verify steps | mean length +- SE")
-    assert [r.split(" | ")[0] for r in table[2:5]] == ["| served as configured",
-                                                       "| reference decoding, the points the engine feeds",
-                                                       "| at training, held-out prompts"]
+    assert [r.split(" | ")[0] for r in table[2:5]] == [
+        "| served as configured",
+        "| reference decoding, the points the engine feeds",
+        "| at training, held-out prompts",
+    ]
 
 
 def test_no_cost_flag_parses():

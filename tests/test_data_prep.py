@@ -61,8 +61,12 @@ def test_truncate_and_drop_policies(tiny_target):
 
 
 def test_sharegpt_and_openai_shapes_normalise_identically():
-    a = parse_row(json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode())
-    b = parse_row(json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}).encode())
+    a = parse_row(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}).encode()
+    )
+    b = parse_row(
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}).encode()
+    )
     assert a.messages == b.messages == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
 
 
@@ -81,9 +85,15 @@ def test_a_row_is_its_data_not_its_bytes():
 
 BAD_ROWS = [
     (b'{"messages": [{"role": "user", "content": "q"}', "malformed JSON"),
-    (b'{"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}', "unknown role 'wizard'"),
+    (
+        b'{"messages": [{"role": "wizard", "content": "q"}, {"role": "assistant", "content": "a"}]}',
+        "unknown role 'wizard'",
+    ),
     (b'{"messages": [{"role": "user", "content": "q"}]}', "no assistant turn"),
-    (b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}', "turn 1: empty content"),
+    (
+        b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
+        "turn 1: empty content",
+    ),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "a"}]}', "invalid UTF-8"),
     (b'["not", "an", "object"]', "expected a JSON object"),
     (b'{"text": "no conversation"}', "no 'messages' (OpenAI) or 'conversations'"),
@@ -98,13 +108,22 @@ def test_bad_rows_are_rejected_with_reason(data, reason):
 
 
 def test_tokenize_unit_quarantines_and_reconciles(tiny_target, tmp_path):
-    good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a fine answer"}]}).encode()
-    long = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long " * 300}]}).encode()
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a fine answer"}]}
+    ).encode()
+    long = json.dumps(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "long " * 300}]}
+    ).encode()
     rows = [good, *(d for d, _ in BAD_ROWS), long, good]
-    cfg = ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": "mem.jsonl"}, "output": {"uri": str(tmp_path)},
-        "max_length": 64, "length_policy": "drop",
-    })
+    cfg = ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": "mem.jsonl"},
+            "output": {"uri": str(tmp_path)},
+            "max_length": 64,
+            "length_policy": "drop",
+        }
+    )
     tu = tokenize_unit(cfg, unit=3, start=100, rows=rows)
     assert len(tu.samples) + len(tu.quarantine) == len(rows)
     assert [s.source_row for s in tu.samples] == [100, 100 + len(rows) - 1]
@@ -139,8 +158,9 @@ def test_poison_rows_are_bad_rows_with_a_reason():
     with pytest.raises(BadRow, match=r"content contains \\ud800, a lone surrogate"):
         parse_row(b'{"messages": [{"role": "user", "content": "x\\ud800y"}, {"role": "assistant", "content": "y"}]}')
     with pytest.raises(BadRow, match="lone surrogate"):  # in a field that is not content
-        parse_row(b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], '
-                  b'"id": "\\udfff"}')
+        parse_row(
+            b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "id": "\\udfff"}'
+        )
     with pytest.raises(BadRow, match="nested deeper"):
         parse_row(b"[" * 100_000 + b"]" * 100_000)
 

@@ -14,30 +14,31 @@ def test_quiet_sends_the_process_and_its_children_to_the_log(tmp_path, capfd):
     log = tmp_path / "demo.log"
     with _quiet(log) as story:
         print("story line", file=story)
-        print("library chatter")                                        # Python's stdout
+        print("library chatter")  # Python's stdout
         print("more chatter", file=sys.stderr)
-        subprocess.run([sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"],
-                       check=True)                                      # an engine subprocess
+        subprocess.run(
+            [sys.executable, "-c", "import sys; print('child out'); print('child err', file=sys.stderr)"], check=True
+        )  # an engine subprocess
     out, err = capfd.readouterr()
     assert "story line" in out
     for noise in ("library chatter", "more chatter", "child out", "child err"):
         assert noise not in out and noise not in err
         assert noise in log.read_text()
-    print("after")                                                      # the terminal is back
+    print("after")  # the terminal is back
     assert "after" in capfd.readouterr().out
 
 
 def test_an_older_demo_directory_is_moved_aside_not_mixed_in(tmp_path):
     root = tmp_path / "strata-demo"
     root.mkdir()
-    (root / "train.yaml").write_text("epochs: 2\n")                     # written by an older demo
+    (root / "train.yaml").write_text("epochs: 2\n")  # written by an older demo
     got = demo_root(root)
     assert got == root and (root / ".strata-demo-version").read_text().strip() == DEMO_VERSION
     assert not (root / "train.yaml").exists()
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("strata-demo.old-")]
     assert len(aside) == 1 and (aside[0] / "train.yaml").read_text() == "epochs: 2\n"
     (root / "extract.yaml").write_text("x")
-    demo_root(root)                                                     # same version: kept
+    demo_root(root)  # same version: kept
     assert (root / "extract.yaml").exists()
 
 

@@ -20,7 +20,7 @@ NEWEST = {"sglang": "0.5.23", "vllm": "0.33.0"}
 
 def model_file(forward_body: str, extra: str = "") -> ReleasedCode:
     """An SGLang-style model file whose inner model's forward is ``forward_body``."""
-    src = textwrap.dedent('''
+    src = textwrap.dedent("""
         class Model:
             def forward(self, input_ids, positions, forward_batch):
                 hidden_states, residual = self.embed_tokens(input_ids), None
@@ -28,7 +28,7 @@ def model_file(forward_body: str, extra: str = "") -> ReleasedCode:
         {body}
                 return hidden_states, aux_hidden_states
         {extra}
-    ''').format(body=textwrap.indent(textwrap.dedent(forward_body), " " * 8), extra=textwrap.dedent(extra))
+    """).format(body=textwrap.indent(textwrap.dedent(forward_body), " " * 8), extra=textwrap.dedent(extra))
     return ReleasedCode.from_files("sglang", "0", {"sglang/srt/models/m.py": src})
 
 
@@ -38,80 +38,86 @@ def reach(forward_body: str, attr: str = "layers_to_capture"):
 
 
 def test_a_capture_before_the_layer_sees_r_i_and_raises_at_layer_zero_without_a_guard():
-    r = reach('''
+    r = reach("""
         for i in range(self.start_layer, self.end_layer):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(hidden_states + residual)
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
-    ''')
+    """)
     assert (r.embedding, r.final, r.ids_are_boundaries) == (False, False, True)
 
 
 def test_a_residual_guard_makes_the_embedding_capturable():
-    r = reach('''
+    r = reach("""
         for i in range(self.start_layer, self.end_layer):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(hidden_states + residual if residual is not None else hidden_states)
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
-    ''')
+    """)
     assert r.embedding is True and not r.final
 
 
 def test_captures_after_the_layer_and_after_the_loop_reach_r_n():
-    after_layer = reach('''
+    after_layer = reach(
+        """
         if self.start_layer in self.aux_hidden_state_layers:
             aux_hidden_states.append(hidden_states)
         for idx, layer in enumerate(self.layers):
             hidden_states, residual = layer(positions, hidden_states, residual)
             if idx + 1 in self.aux_hidden_state_layers:
                 aux_hidden_states.append(hidden_states + residual)
-    ''', "aux_hidden_state_layers")
+    """,
+        "aux_hidden_state_layers",
+    )
     assert (after_layer.embedding, after_layer.final, after_layer.ids_are_boundaries) == (True, True, True)
-    after_loop = reach('''
+    after_loop = reach("""
         for i in range(self.start_layer, self.end_layer):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(hidden_states + residual)
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
         if self.end_layer in self.layers_to_capture:
             aux_hidden_states.append(hidden_states + residual)
-    ''')
+    """)
     assert after_loop.final and after_loop.embedding is False
 
 
 def test_an_index_tested_where_the_stream_is_another_boundary_is_not_a_boundary_id():
-    r = reach('''
+    r = reach("""
         for i in range(self.start_layer, self.end_layer):
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
             if i in self.layers_to_capture:
                 aux_hidden_states.append(hidden_states + residual)
-    ''')
+    """)
     assert not r.ids_are_boundaries and "i" in r.why
 
 
 def test_a_capture_handed_into_the_layer_is_unknown_at_layer_zero_unless_the_layer_is_read():
-    r = reach('''
+    r = reach("""
         for i in range(self.start_layer, self.end_layer):
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual,
                                                      captured=aux_hidden_states if i in self.layers_to_capture else None)
-    ''')
+    """)
     assert r.embedding is None and "not read" in r.why
 
 
 def test_a_forward_that_hands_on_to_super_is_read_in_the_base_class():
     """SGLang's TeleFLMModel and vLLM's MistralModel override forward only to return
     ``super().forward(...)``: the base class's loop is what runs."""
-    base = model_file('''
+    base = model_file("""
         for i in range(self.start_layer, self.end_layer):
             if i in self.layers_to_capture:
                 aux_hidden_states.append(hidden_states + residual if residual is not None else hidden_states)
             hidden_states, residual = self.layers[i](positions, hidden_states, forward_batch, residual)
-    ''')
-    files = {**base._files, "sglang/srt/models/sub.py": textwrap.dedent('''
+    """)
+    files = {
+        **base._files,
+        "sglang/srt/models/sub.py": textwrap.dedent("""
         from sglang.srt.models.m import Model
         class Sub(Model):
             def forward(self, input_ids, positions, forward_batch):
                 return super().forward(input_ids * 2, positions, forward_batch)
-    ''')}
+    """),
+    }
     code = ReleasedCode.from_files("sglang", "0", files)
     r = capture_range(CodeIndex(code, "sglang/srt/models/"), "sglang.srt.models.sub:Sub", "layers_to_capture")
     assert (r.embedding, r.ids_are_boundaries, r.why) == (True, True, "")
@@ -122,7 +128,7 @@ def test_a_capture_handed_into_a_layer_of_the_base_class_module_is_followed():
     which hand the collector to the shared ``attn_boundary.prepare`` (safe at layer 0)."""
     files = {
         "sglang/srt/layers/layer_boundary/stage.py": "def prepare(hidden_states, capture=None):\n    pass\n",
-        "sglang/srt/models/base.py": textwrap.dedent('''
+        "sglang/srt/models/base.py": textwrap.dedent("""
             class Layer:
                 def forward(self, positions, hidden_states, forward_batch, capture_output=None):
                     hidden_states = self.attn_boundary.prepare(hidden_states, forward_batch, capture=capture_output)
@@ -130,8 +136,8 @@ def test_a_capture_handed_into_a_layer_of_the_base_class_module_is_followed():
             class BaseModel:
                 def __init__(self, config):
                     self.layers = [Layer() for _ in range(4)]
-        '''),
-        "sglang/srt/models/vl.py": textwrap.dedent('''
+        """),
+        "sglang/srt/models/vl.py": textwrap.dedent("""
             from sglang.srt.models.base import BaseModel
             class VLModel(BaseModel):
                 def forward(self, input_ids, positions, forward_batch):
@@ -140,13 +146,14 @@ def test_a_capture_handed_into_a_layer_of_the_base_class_module_is_followed():
                         capture_output = aux.append if layer_idx in self.layers_to_capture else None
                         hidden_states = layer(positions, hidden_states, forward_batch, capture_output=capture_output)
                     return hidden_states, aux
-        ''')}
+        """),
+    }
     code = ReleasedCode.from_files("sglang", "0", files)
     r = capture_range(CodeIndex(code, "sglang/srt/models/"), "sglang.srt.models.vl:VLModel", "layers_to_capture")
     assert (r.embedding, r.why) == (True, "")
 
 
-SET_IDS = '''
+SET_IDS = """
 class Inner:
     def forward(self, input_ids, positions, forward_batch):
         hidden_states, residual, aux_hidden_states = input_ids, None, []
@@ -181,7 +188,7 @@ class NoHook:
     pass
 
 EntryClass = [Target, Wrapper, NoHook]
-'''
+"""
 
 
 def test_the_released_method_runs_on_stand_ins_and_delegation_is_followed():
@@ -213,11 +220,18 @@ def test_the_committed_table_is_what_the_newest_release_derives(engine):
     table = json.loads(derive.TABLE.read_text())
     assert table["releases"][engine][code.version]["sha256"] == code.sha256
     derived = derive.release_rows(code)
-    committed = [r for r in table["rules"] if r["engine"] == engine
-                 and R.release_tuple(r["first"]) <= R.release_tuple(code.version) <= R.release_tuple(r["last"])]
+    committed = [
+        r
+        for r in table["rules"]
+        if r["engine"] == engine
+        and R.release_tuple(r["first"]) <= R.release_tuple(code.version) <= R.release_tuple(r["last"])
+    ]
     serving = {(r["architecture"], r["runner"]) for r in committed}
-    want = sorted(json.dumps(_body(r), sort_keys=True) for r in derived if (r["architecture"], r["runner"]) in serving
-                   or r["serves"])
+    want = sorted(
+        json.dumps(_body(r), sort_keys=True)
+        for r in derived
+        if (r["architecture"], r["runner"]) in serving or r["serves"]
+    )
     got = sorted(json.dumps(_body(r), sort_keys=True) for r in committed)
     assert got == want
     assert all(code.version in r["source"] for r in committed if r["last"] == code.version)
@@ -246,7 +260,7 @@ def test_vllm_readers_of_the_newest_release():
 def test_submodules_are_followed_through_annotations_factories_and_init_helpers():
     """``self.language_model: X = factory(...)``, a registry factory naming the architecture, and
     ``self.model = self._init_model(...)`` all resolve to the class the engine would build."""
-    src = textwrap.dedent('''
+    src = textwrap.dedent("""
         class Inner:
             pass
         class Other:
@@ -262,11 +276,13 @@ def test_submodules_are_followed_through_annotations_factories_and_init_helpers(
                 self.model = self._init_model(config)
             def _init_model(self, config):
                 return Other(config)
-    ''')
-    index = CodeIndex(ReleasedCode.from_files("vllm", "0", {"vllm/model_executor/models/m.py": src}),
-                      "vllm/model_executor/models/")
-    index.factories["init_vllm_registered_model"] = lambda call: "vllm.model_executor.models.m:Other" if any(
-        k.arg == "architectures" for k in call.keywords) else None
+    """)
+    index = CodeIndex(
+        ReleasedCode.from_files("vllm", "0", {"vllm/model_executor/models/m.py": src}), "vllm/model_executor/models/"
+    )
+    index.factories["init_vllm_registered_model"] = lambda call: (
+        "vllm.model_executor.models.m:Other" if any(k.arg == "architectures" for k in call.keywords) else None
+    )
     key = "vllm.model_executor.models.m:{}".format
     assert index.attribute_class(key("Annotated"), "language_model") == key("Inner")
     assert index.attribute_class(key("Factory"), "language_model") == key("Other")

@@ -25,8 +25,16 @@ def test_each_minimal_config_in_the_readme_is_valid_for_its_job():
         schema.model_validate(yaml.safe_load(block))
 
 
-@pytest.mark.parametrize("doc", ["README.md", *(str(p.relative_to(ROOT)) for p in ROOT.glob("pipeline/*/README.md")),
-                                 "infra/README.md", "tests/README.md", "tests/benchmarks/README.md"])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        "README.md",
+        *(str(p.relative_to(ROOT)) for p in ROOT.glob("pipeline/*/README.md")),
+        "infra/README.md",
+        "tests/README.md",
+        "tests/benchmarks/README.md",
+    ],
+)
 def test_every_linked_document_exists_and_no_history_or_issue_numbers(doc):
     text = (ROOT / doc).read_text()
     for link in re.findall(r"\]\(([^)#]+)\)", text):
@@ -36,6 +44,6 @@ def test_every_linked_document_exists_and_no_history_or_issue_numbers(doc):
 
 def test_the_readme_stays_a_newcomers_path():
     assert len(README) < 15_000
-    first_screen = README[:README.index("## The pipeline")]
+    first_screen = README[: README.index("## The pipeline")]
     assert "bash .ci/setup && .venv/bin/strata demo" in first_screen
     assert "bash .ci/setup && .venv/bin/python -m pytest -q -ra" in first_screen

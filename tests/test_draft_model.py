@@ -22,8 +22,17 @@ from pipeline.draft.vocab import (
     count_trained_tokens,
 )
 
-CFG = DraftConfig(hidden_size=32, target_hidden_size=24, num_aux=3, intermediate_size=64, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=50, draft_vocab_size=20)
+CFG = DraftConfig(
+    hidden_size=32,
+    target_hidden_size=24,
+    num_aux=3,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=50,
+    draft_vocab_size=20,
+)
 
 
 def naive_attention(q, ks, vs):
@@ -63,8 +72,12 @@ def naive_unroll(m: Eagle3Draft, aux, ids, steps):
             tok = ids[:, t + i + 1] if t + i + 1 < T else torch.zeros(B, dtype=torch.long)
             x = torch.cat([mid.input_layernorm(m.embed_tokens(tok)), mid.hidden_norm(h[:, t])], -1)[:, None]
             pos = torch.tensor([t + i])
-            q = rope(mid.self_attn.q_proj(x).view(B, 1, c.num_attention_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta)
-            k = rope(mid.self_attn.k_proj(x).view(B, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta)
+            q = rope(
+                mid.self_attn.q_proj(x).view(B, 1, c.num_attention_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta
+            )
+            k = rope(
+                mid.self_attn.k_proj(x).view(B, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2), pos, c.rope_theta
+            )
             v = mid.self_attn.v_proj(x).view(B, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
             rep = c.num_attention_heads // c.num_key_value_heads
             qs[t], K[i, t], V[i, t] = q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -105,13 +118,13 @@ def test_loss_masks_out_of_vocab_targets_and_counts_them_wrong():
     aux = torch.randn(B, T, CFG.num_aux * CFG.target_hidden_size)
     tokens = torch.randint(0, CFG.vocab_size, (B, T))
     p = torch.softmax(torch.randn(B, T, CFG.draft_vocab_size), -1)
-    greedy = torch.full((B, T), CFG.vocab_size - 1)            # never in the draft vocab (ids 0..19)
+    greedy = torch.full((B, T), CFG.vocab_size - 1)  # never in the draft vocab (ids 0..19)
     tb = TargetBatch(p_draft=p, greedy=greedy, in_draft_vocab=t2d[greedy], trained=torch.ones(B, T, dtype=torch.bool))
     out = m(aux, tokens, tb, steps=2)
-    assert out.loss.item() == 0.0                              # all targets masked from the loss
-    assert out.correct.sum().item() == 0                       # ...and all counted wrong
-    assert out.counted.tolist() == [T - 2, T - 3]              # step i: positions whose token t+i+2 exists
-    tb.greedy = torch.zeros(B, T, dtype=torch.long)            # id 0 is in the draft vocab
+    assert out.loss.item() == 0.0  # all targets masked from the loss
+    assert out.correct.sum().item() == 0  # ...and all counted wrong
+    assert out.counted.tolist() == [T - 2, T - 3]  # step i: positions whose token t+i+2 exists
+    tb.greedy = torch.zeros(B, T, dtype=torch.long)  # id 0 is in the draft vocab
     tb.in_draft_vocab = t2d[tb.greedy]
     out = m(aux, tokens, tb, steps=2)
     assert out.loss.item() > 0
@@ -122,8 +135,8 @@ def test_loss_masks_out_of_vocab_targets_and_counts_them_wrong():
 def test_draft_vocab_round_trip():
     counts = torch.tensor([5, 0, 9, 9, 1, 7, 0, 3])
     ids, d2t, t2d = build_draft_vocab(counts, 4)
-    assert ids.tolist() == [0, 2, 3, 5]                        # top-4 by count, sorted by id
-    assert d2t.tolist() == [0, 1, 1, 2]                        # target = draft + d2t[draft]
+    assert ids.tolist() == [0, 2, 3, 5]  # top-4 by count, sorted by id
+    assert d2t.tolist() == [0, 1, 1, 2]  # target = draft + d2t[draft]
     assert draft_to_target(torch.arange(4), d2t).tolist() == ids.tolist()
     c = count_trained_tokens([(torch.tensor([2, 2, 3]), torch.tensor([0, 1, 1]))], 8)
     assert c.tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
@@ -151,7 +164,7 @@ def specforge_ttt_loss(step_logits, target_logits, t2d, loss_mask, decay=0.8):
     target_p_padded = F.pad(target_p, pad=(0, 0, 0, len(step_logits)), value=1 / target_p.shape[-1])
     plosses = []
     for idx, logits in enumerate(step_logits):
-        tp = target_p_padded[:, idx: idx + T, :]
+        tp = target_p_padded[:, idx : idx + T, :]
         out_logp = torch.nn.LogSoftmax(dim=2)(logits.float())
         plosses.append(-torch.sum(position_mask * tp * out_logp, 2).mean())
         position_mask = torch.cat((position_mask[:, 1:], torch.zeros_like(position_mask[:, -1:])), dim=1)

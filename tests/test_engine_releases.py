@@ -45,8 +45,10 @@ def test_incident_ids_on_sglang_before_and_after_0_5_13():
 
 
 def test_architectures_decide_the_rule_and_wrappers_without_a_hook_cannot_serve():
-    assert cv.engine_family("sglang", {"architectures": ["KimiK25ForConditionalGeneration"]}) == \
-        "KimiK25ForConditionalGeneration"
+    assert (
+        cv.engine_family("sglang", {"architectures": ["KimiK25ForConditionalGeneration"]})
+        == "KimiK25ForConditionalGeneration"
+    )
     assert cv.engine_family("vllm", {"model_type": "deepseek_v3"}) == "DeepseekV3ForCausalLM"  # no architectures
     assert cv.engine_family("sglang", {"architectures": ["X"]}, "deepseek_v2") == "DeepseekV2ForCausalLM"  # forced
     # Kimi-K2.5's wrapper delegates to DeepseekV3ForCausalLM: the same rule, from 0.5.10 only (0.5.9's
@@ -67,14 +69,19 @@ def test_vllm_wrappers_that_hand_the_ids_to_the_checkpoints_text_model_use_its_r
     ``text_config`` (no ``architectures`` in the code): the derivation runs the wrapper's released
     ``set_aux_hidden_state_layers`` on a stand-in text model and finds the ids handed on unchanged,
     so the text architecture's row decides -- from the release that made the wrapper SupportsEagle3."""
+
     def cfg(wrapper, text):
         return {"architectures": [wrapper], "text_config": {"architectures": [text]}}
 
     assert cv.engine_family("vllm", cfg("LlavaForConditionalGeneration", "LlamaForCausalLM")) == "LlamaForCausalLM"
-    assert cv.engine_family("vllm", cfg("Mistral3ForConditionalGeneration", "MistralForCausalLM")) == "MistralForCausalLM"
+    assert (
+        cv.engine_family("vllm", cfg("Mistral3ForConditionalGeneration", "MistralForCausalLM")) == "MistralForCausalLM"
+    )
     family = cv.engine_family("vllm", cfg("PixtralForConditionalGeneration", "MistralForCausalLM"))
     assert cv.points_read_from([2, 30, 58], "vllm", N, family, "0.33.0") == loop(2, 30, 58)
-    wrappers = [r for r in cv.releases.RULES if r.engine == "vllm" and r.architecture == "LlavaForConditionalGeneration"]
+    wrappers = [
+        r for r in cv.releases.RULES if r.engine == "vllm" and r.architecture == "LlavaForConditionalGeneration"
+    ]
     assert wrappers and all(r.text_model for r in wrappers)
     assert min(cv.releases.release_tuple(r.first) for r in wrappers) > (0, 14, 0)  # 0.14 Llava: not SupportsEagle3
     with pytest.raises(cv.ConventionError, match="text_config names \\(NoSuchForCausalLM\\)"):
@@ -112,7 +119,8 @@ def test_sglang_feeds_loop_order_each_once(arch):
     rel = "0.5.23"
     ids = [29, 1, 57]
     assert cv.points_read_from(ids, "sglang", N, arch, rel) == sorted(
-        cv.points_read_from(sorted(ids), "sglang", N, arch, rel), key=lambda p: cv.boundary(p, N))
+        cv.points_read_from(sorted(ids), "sglang", N, arch, rel), key=lambda p: cv.boundary(p, N)
+    )
     repeated = ids[:1] * 2 + ids[1:]
     assert cv.points_read_from(repeated, "sglang", N, arch, rel) == cv.points_read_from(ids, "sglang", N, arch, rel)
 
@@ -135,14 +143,35 @@ def test_use_aux_hidden_state_false_is_a_verdict():
             cv.ids_in_draft_config(cfg, engine, "newest")
 
 
-@pytest.mark.parametrize("arch", [
-    "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM", "Glm5NextForConditionalGeneration", "Qwen2MoeForCausalLM",
-    "Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "MiniMaxM2ForCausalLM",
-    "MiniMaxM3SparseForCausalLM", "MiniMaxM3SparseForConditionalGeneration", "Gemma3ForCausalLM",
-    "Gemma4ForCausalLM", "LongcatFlashForCausalLM", "BailingMoeV2ForCausalLM", "ExaoneMoEForCausalLM",
-    "ApertusForCausalLM", "Llama4ForConditionalGeneration", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-    "MistralLarge3ForCausalLM", "Phi3ForCausalLM", "InternLM3ForCausalLM"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "Glm4MoeForCausalLM",
+        "Glm4MoeLiteForCausalLM",
+        "Glm5NextForConditionalGeneration",
+        "Qwen2MoeForCausalLM",
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3VLForConditionalGeneration",
+        "Qwen3VLMoeForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration",
+        "MiniMaxM2ForCausalLM",
+        "MiniMaxM3SparseForCausalLM",
+        "MiniMaxM3SparseForConditionalGeneration",
+        "Gemma3ForCausalLM",
+        "Gemma4ForCausalLM",
+        "LongcatFlashForCausalLM",
+        "BailingMoeV2ForCausalLM",
+        "ExaoneMoEForCausalLM",
+        "ApertusForCausalLM",
+        "Llama4ForConditionalGeneration",
+        "DeepseekV32ForCausalLM",
+        "GlmMoeDsaForCausalLM",
+        "MistralLarge3ForCausalLM",
+        "Phi3ForCausalLM",
+        "InternLM3ForCausalLM",
+    ],
+)
 def test_newest_sglang_families_have_derived_rules(arch):
     rule = R.rule_for("sglang", "0.5.23", arch)
     assert rule.serves and rule.source.startswith("sglang 0.5.23 ") and "set_eagle3_layers_to_capture" in rule.source
@@ -153,7 +182,9 @@ def test_sglang_family_specifics_the_derivation_found():
     assert cv.points_read_from([2, 30, 58], "sglang", N, "Glm4MoeLiteForCausalLM", "0.5.23") == loop(2, 30, 58)
     assert cv.points_read_from([2, 30, 58], "sglang", N, "Glm4MoeForCausalLM", "0.5.23") == loop(3, 31, 59)
     # minimax_m3_vl adds 1 to its default too; minimax_m3 captures r_N after its last layer
-    assert cv.points_read_from(None, "sglang", N, "MiniMaxM3SparseForConditionalGeneration", "0.5.23") == loop(3, 31, 59)
+    assert cv.points_read_from(None, "sglang", N, "MiniMaxM3SparseForConditionalGeneration", "0.5.23") == loop(
+        3, 31, 59
+    )
     assert cv.points_read_from([1, 29, N - 1], "sglang", N, "MiniMaxM3SparseForCausalLM", "0.5.23") == loop(2, 30, N)
     # gemma3/4 capture r_N (`if num_layers in self.layers_to_capture` after the loop)
     assert cv.points_read_from([1, N - 1], "sglang", N, "Gemma3ForCausalLM", "0.5.23") == loop(2, N)
@@ -176,8 +207,11 @@ def test_vllm_keys_by_release_and_runner():
     dspark = {"dspark_target_layer_ids": [1, 29, 57]}
     assert cv.ids_in_draft_config(dspark, "vllm", "0.33.0", runner="v2")[0] == [2, 30, 58]
     assert cv.ids_in_draft_config(dspark, "vllm", "0.33.0", runner="v1")[0] is None
-    assert cv.ids_in_draft_config({"eagle_config": {"layer_ids": [2, 30, 58]}}, "vllm", "0.33.0",
-                                  runner="v2")[0] == [2, 30, 58]
+    assert cv.ids_in_draft_config({"eagle_config": {"layer_ids": [2, 30, 58]}}, "vllm", "0.33.0", runner="v2")[0] == [
+        2,
+        30,
+        58,
+    ]
     # 0.11 ignores the draft's ids altogether
     assert cv.points_read_from([5, 6, 7], "vllm", N, "llama", "0.11.0") == loop(2, 30, 58)
     with pytest.raises(cv.ConventionError, match="no id list makes vllm 0.11.0"):
@@ -207,8 +241,11 @@ def test_unknown_release_is_refused_naming_the_known_ranges():
     with pytest.raises(R.UnknownRelease, match=r"sglang 0.6.0 \(DeepseekV2ForCausalLM\).*derive --engine sglang"):
         cv.points_read_from([2, 30, 58], "sglang", N, "deepseek_v2", "0.6.0")
     # A release the table knows cannot serve EAGLE-3 for the architecture is a verdict, not "unknown".
-    with pytest.raises(cv.ConventionError, match=r"sglang 0.4.9-0.5.4 DeepseekV2ForCausalLM cannot serve EAGLE-3: "
-                                                 r"DeepseekV2ForCausalLM has no set_eagle3_layers_to_capture"):
+    with pytest.raises(
+        cv.ConventionError,
+        match=r"sglang 0.4.9-0.5.4 DeepseekV2ForCausalLM cannot serve EAGLE-3: "
+        r"DeepseekV2ForCausalLM has no set_eagle3_layers_to_capture",
+    ):
         cv.points_read_from([2, 30, 58], "sglang", N, "deepseek_v2", "0.5.4")
     with pytest.raises(R.UnknownRelease, match="cannot read release"):
         R.release_tuple("latest")
@@ -236,8 +273,10 @@ def test_runner_ambiguity_is_a_reason_and_pinning_resolves_it():
 def test_v2_is_the_gpu_default_per_architecture_long_before_0_28():
     """config/vllm.py: DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES = {"Qwen3ForCausalLM"} in 0.22 (dense only:
     `return not model_config.is_moe ...`); Llama joins in 0.24; from 0.25 every dense model."""
+
     def runners(rel, arch, moe=False):
         return [r.rule.runner for r in checks.rule_readings(spec(), rel, arch, nested([1, 29, 57]), N, moe)]
+
     assert runners("0.21.0", "Qwen3ForCausalLM") == ["v1"]
     assert runners("0.22.0", "Qwen3ForCausalLM") == ["v1", "v2"] and runners("0.22.0", "LlamaForCausalLM") == ["v1"]
     assert runners("0.24.0", "LlamaForCausalLM") == ["v1", "v2"]
@@ -251,8 +290,9 @@ def test_v2_is_the_gpu_default_per_architecture_long_before_0_28():
 def test_feed_vs_rule_names_each_disagreement():
     rule = R.rule_for("vllm", "0.33.0", "llama", "v1")
     lines = checks.feed_vs_rule(loop(3, 30, 58), loop(2, 30, 58), rule, N)
-    assert lines == [f"{rule.name} feeds o_2 (r_3) to slot 0; Strata's rule table predicted "
-                     f"o_1 (r_2) ({rule.source}): fix the table"]
+    assert lines == [
+        f"{rule.name} feeds o_2 (r_3) to slot 0; Strata's rule table predicted o_1 (r_2) ({rule.source}): fix the table"
+    ]
 
 
 def test_slot_count_the_engines_can_load():
@@ -270,8 +310,9 @@ def test_every_rule_cites_its_release_and_file():
         assert rule.serves or rule.why, rule
 
 
-@pytest.mark.parametrize("engine, release, where", [
-    ("vllm", "0.33.0", "top"), ("vllm", "0.21.0", "top"), ("sglang", "0.5.23", "nested")])
+@pytest.mark.parametrize(
+    "engine, release, where", [("vllm", "0.33.0", "top"), ("vllm", "0.21.0", "top"), ("sglang", "0.5.23", "nested")]
+)
 def test_corrected_config_is_read_back_as_the_trained_points(engine, release, where):
     """The cost table's 'correct ids' row: the served config with the ids the release needs,
     everything else kept, read back through the same rule."""
@@ -279,13 +320,17 @@ def test_corrected_config_is_read_back_as_the_trained_points(engine, release, wh
     from schemas.capture import CapturePoint
 
     points = [CapturePoint.parse(p) for p in ("layer_output:1", "layer_output:5", "layer_output:8")]
-    served = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [0, 2, 6],
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6], "use_aux_hidden_state": True}}
+    served = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "eagle_aux_hidden_state_layer_ids": [0, 2, 6],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 6], "use_aux_hidden_state": True},
+    }
     fixed = conventions.draft_config_feeding(served, points, engine, 12, "llama", release)
     ids, key = conventions.ids_in_draft_config(fixed, engine, release, "llama")
     assert conventions.points_read_from(ids, engine, 12, "llama", release) == points
     assert fixed["architectures"] == served["architectures"] and served["eagle_aux_hidden_state_layer_ids"] == [0, 2, 6]
     assert key.startswith("eagle_config.") == (where == "nested")
     with pytest.raises(conventions.ConventionError):  # no engine feeds the post-norm final state
-        conventions.draft_config_feeding(served, [*points[:2], CapturePoint.parse("final:post_norm")], engine, 12,
-                                           "llama", release)
+        conventions.draft_config_feeding(
+            served, [*points[:2], CapturePoint.parse("final:post_norm")], engine, 12, "llama", release
+        )

@@ -17,14 +17,34 @@ AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 
 def fake_target(n: int) -> TargetIdentity:
-    return TargetIdentity(model_name=f"fake-{n}", model_path="/nowhere", architecture="LlamaForCausalLM",
-                          num_layers=n, hidden_size=16, vocab_size=40, weights=[], weights_sha256="w",
-                          config_sha256="c", tokenizer=[], tokenizer_sha256="t", chat_template_sha256="x")
+    return TargetIdentity(
+        model_name=f"fake-{n}",
+        model_path="/nowhere",
+        architecture="LlamaForCausalLM",
+        num_layers=n,
+        hidden_size=16,
+        vocab_size=40,
+        weights=[],
+        weights_sha256="w",
+        config_sha256="c",
+        tokenizer=[],
+        tokenizer_sha256="t",
+        chat_template_sha256="x",
+    )
 
 
 def tiny_draft(num_aux=3, vocab=40, hidden=16) -> Eagle3Draft:
-    cfg = DraftConfig(hidden_size=hidden, target_hidden_size=hidden, num_aux=num_aux, intermediate_size=32,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=vocab, draft_vocab_size=vocab // 2)
+    cfg = DraftConfig(
+        hidden_size=hidden,
+        target_hidden_size=hidden,
+        num_aux=num_aux,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=vocab,
+        draft_vocab_size=vocab // 2,
+    )
     m = Eagle3Draft(cfg)
     init_weights(m, seed=3)
     _, d2t, t2d = build_draft_vocab(torch.arange(vocab), vocab // 2)
@@ -40,7 +60,7 @@ def tiny_draft(num_aux=3, vocab=40, hidden=16) -> Eagle3Draft:
         (32, [C.layer_output(1), C.layer_output(15), C.layer_output(28)], [1, 15, 28], [2, 16, 29]),
         (61, [C.layer_output(1), C.layer_output(29), C.layer_output(57)], [1, 29, 57], [2, 30, 58]),
         (61, [C.layer_output(2), C.layer_output(30), C.layer_output(58)], [2, 30, 58], [3, 31, 59]),  # non-default
-        (32, [C.layer_output(0), C.layer_output(7), C.layer_output(30)], [0, 7, 30], [1, 8, 31]),     # non-default
+        (32, [C.layer_output(0), C.layer_output(7), C.layer_output(30)], [0, 7, 30], [1, 8, 31]),  # non-default
     ],
 )
 def test_exported_configs_carry_conventions_ids(tmp_path, n, points, sglang_ids, vllm_ids):
@@ -62,13 +82,27 @@ def test_exported_configs_carry_conventions_ids(tmp_path, n, points, sglang_ids,
 def test_export_refuses_what_the_engine_cannot_capture(tmp_path):
     m = tiny_draft()
     with pytest.raises(ExportError, match=r"sglang 0.5.21 \(llama\).*the embedding \(r_0\)"):
-        export_draft(m, tmp_path / "x", "sglang", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6),
-                     release="0.5.21")
+        export_draft(
+            m,
+            tmp_path / "x",
+            "sglang",
+            [C.embedding(), C.layer_output(2), C.layer_output(3)],
+            fake_target(6),
+            release="0.5.21",
+        )
     with pytest.raises(ExportError, match="fixed three-slot fc"):
-        export_draft(tiny_draft(num_aux=2), tmp_path / "x", "sglang", [C.layer_output(2), C.layer_output(3)],
-                     fake_target(6), release="0.5.11")
+        export_draft(
+            tiny_draft(num_aux=2),
+            tmp_path / "x",
+            "sglang",
+            [C.layer_output(2), C.layer_output(3)],
+            fake_target(6),
+            release="0.5.11",
+        )
     with pytest.raises(ExportError, match="ascending"):
-        export_draft(m, tmp_path / "x", "vllm", [C.layer_output(3), C.layer_output(1), C.layer_output(2)], fake_target(6))
+        export_draft(
+            m, tmp_path / "x", "vllm", [C.layer_output(3), C.layer_output(1), C.layer_output(2)], fake_target(6)
+        )
     assert not (tmp_path / "x").exists()
     # vLLM can capture the embedding: same points export fine there.
     v = export_draft(m, tmp_path / "v", "vllm", [C.embedding(), C.layer_output(2), C.layer_output(3)], fake_target(6))
@@ -78,7 +112,8 @@ def test_export_refuses_what_the_engine_cannot_capture(tmp_path):
     assert v.engine_release == "0.33.0" and "vllm 0.11.0 LlamaForCausalLM (V1 runner)" not in v.ids_valid_for
     assert "vllm 0.11.1-0.17.1 LlamaForCausalLM (V1 runner)" not in v.ids_valid_for
     assert {"vllm 0.22.0-0.33.0 LlamaForCausalLM (V1 runner)", "vllm 0.33.0 LlamaForCausalLM (V2 runner)"} <= set(
-        v.ids_valid_for)
+        v.ids_valid_for
+    )
     assert json.loads((tmp_path / "v" / "config.json").read_text())["num_aux_hidden_states"] == 3
 
 
@@ -118,12 +153,16 @@ def test_reference_speculation_is_lossless(tiny_target):
     assert res.accepted_per_pos == sorted(res.accepted_per_pos, reverse=True)
 
 
-@pytest.mark.parametrize("budget, stop_at, steps, per_pos", [
-    (10, None, 3, [3, 3, 3]),   # prefill 1 + 4 + 4, then a step accepting 3 of which 1 fits the budget
-    (40, 5, 2, [2, 2, 2]),      # prefill 1 + 4, then a step accepting 3 whose first ends the turn
-])
-def test_a_verify_step_is_counted_whole_where_the_text_stops_inside_it(tiny_target, monkeypatch, budget, stop_at,
-                                                                        steps, per_pos):
+@pytest.mark.parametrize(
+    "budget, stop_at, steps, per_pos",
+    [
+        (10, None, 3, [3, 3, 3]),  # prefill 1 + 4 + 4, then a step accepting 3 of which 1 fits the budget
+        (40, 5, 2, [2, 2, 2]),  # prefill 1 + 4, then a step accepting 3 whose first ends the turn
+    ],
+)
+def test_a_verify_step_is_counted_whole_where_the_text_stops_inside_it(
+    tiny_target, monkeypatch, budget, stop_at, steps, per_pos
+):
     """pipeline.acceptance counts each verify step whole, as vLLM's and SGLang's counters do; the
     emitted text still stops at the end of turn or the budget. An oracle draft (proposing the
     target's own greedy tokens) makes every count known."""
@@ -142,7 +181,7 @@ def test_a_verify_step_is_counted_whole_where_the_text_stops_inside_it(tiny_targ
 
     def oracle(draft, aux, next_tokens, k):
         done = next_tokens.shape[1] + 1 - len(prompt)
-        return (ref + [0] * k)[done: done + k]
+        return (ref + [0] * k)[done : done + k]
 
     monkeypatch.setattr(speculate, "draft_chain", oracle)
     runner = TargetRunner(target, [C.layer_output(1)])

@@ -42,10 +42,12 @@ def source(conversations, tmp_path_factory):
 
 def write_config(tmp_path, tiny_target, source, out, address=None, rows_per_shard=8) -> Path:
     cfg = {
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(source)},
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(source)},
         "output": {"uri": str(out), "rows_per_shard": rows_per_shard},
         "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
-        "max_length": 128, "engine": {"dtype": "float32", "device": "cpu"},
+        "max_length": 128,
+        "engine": {"dtype": "float32", "device": "cpu"},
         "ray": {"num_actors": 1, "cpus_per_actor": 1, "address": address},
     }
     p = tmp_path / "extract.yaml"
@@ -65,8 +67,15 @@ def test_extract_on_ray_reconciles_and_quarantines(ray_connected, tiny_target, s
     q = [json.loads(x) for x in (tmp_path / "ds" / "quarantine.jsonl").read_text().splitlines()]
     assert sorted(x["source_row"] for x in q) == [3 + 7 * i for i in range(len(BAD))]
     reasons = sorted(x["reason"] for x in q)
-    for want in ("malformed JSON", "turn 0: unknown role 'robot'", "no assistant turn", "turn 0: empty content", "invalid UTF-8",
-                 "turn 0: content contains \\ud800, a lone surrogate", "JSON nested deeper"):
+    for want in (
+        "malformed JSON",
+        "turn 0: unknown role 'robot'",
+        "no assistant turn",
+        "turn 0: empty content",
+        "invalid UTF-8",
+        "turn 0: content contains \\ud800, a lone surrogate",
+        "JSON nested deeper",
+    ):
         assert any(r.startswith(want) for r in reasons), (want, reasons)
     r = DatasetReader(cfg.output.uri)
     ids = [s.sample_id for s in r.iter_samples()]
@@ -120,8 +129,14 @@ def test_resume_ignores_and_removes_a_torn_commit_record(tiny_target, source, tm
 
 def run_job(cfg_path, env_extra, cluster):
     env = {**os.environ, **cluster["env"], "RAY_ADDRESS": cluster["address"], **env_extra}
-    return subprocess.run([sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tmp_path):
@@ -134,8 +149,14 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
     out = tmp_path / "ds"
     cfg_path = write_config(tmp_path, tiny_target, src, out, rows_per_shard=4)
     env = {**os.environ, **ray_cluster["env"], "RAY_ADDRESS": ray_cluster["address"]}
-    driver = subprocess.Popen([sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
-                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    driver = subprocess.Popen(
+        [sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while len(list((out / "_units").glob("unit-*.json"))) < 2 and driver.poll() is None:
         assert time.monotonic() < deadline, "no unit was committed in time"
@@ -146,8 +167,11 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
     committed = sorted((out / "_units").glob("unit-*.json"))
     assert 2 <= len(committed) < -(-nrows // 4)
     # Shards of units committed at the kill, with their mtime: a rewrite, even of equal bytes, shows.
-    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (out / "shards").glob("*.parquet")
-              if (out / "_units" / p.name.replace("part", "unit").replace(".parquet", ".json")) in committed}
+    before = {
+        p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in (out / "shards").glob("*.parquet")
+        if (out / "_units" / p.name.replace("part", "unit").replace(".parquet", ".json")) in committed
+    }
 
     resumed = run_job(cfg_path, {}, ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -169,11 +193,16 @@ def test_resume_after_crash_is_exactly_once(ray_cluster, tiny_target, source, tm
     assert covered == list(range(nrows))
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda c: c.update(capture=["layer_output:5", "final:pre_norm"]), "name the same tensor (r_6)"),
-    (lambda c: (c["engine"].update(name="sglang"), c.update(capture=["layer_output:1", "final:pre_norm"])),
-     "engine sglang cannot capture final:pre_norm, the pre-norm final state (r_6), on this target"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda c: c.update(capture=["layer_output:5", "final:pre_norm"]), "name the same tensor (r_6)"),
+        (
+            lambda c: (c["engine"].update(name="sglang"), c.update(capture=["layer_output:1", "final:pre_norm"])),
+            "engine sglang cannot capture final:pre_norm, the pre-norm final state (r_6), on this target",
+        ),
+    ],
+)
 def test_plans_that_would_fail_later_are_refused_up_front(tiny_target, source, tmp_path, edit, needle):
     from pipeline.extract.job import ExtractionError
     from schemas.config import validate_config
@@ -245,8 +274,9 @@ def test_a_second_job_on_the_same_output_refuses_and_rows_stay_exactly_once(tiny
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.7])
-def test_killing_the_whole_process_tree_during_commits_loses_and_duplicates_nothing(tiny_target, source, tmp_path,
-                                                                                     delay):
+def test_killing_the_whole_process_tree_during_commits_loses_and_duplicates_nothing(
+    tiny_target, source, tmp_path, delay
+):
     """`python jobs/extract.py` with its own local Ray: once units start committing, SIGKILL the
     driver and every process under it (GCS, raylet, workers) at once; the rerun finishes with
     every source row exactly once and the shards committed before the kill untouched."""
@@ -260,8 +290,9 @@ def test_killing_the_whole_process_tree_during_commits_loses_and_duplicates_noth
     cfg_path = write_config(tmp_path, tiny_target, src, out)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "jobs/extract.py", "--config", str(cfg_path), "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
     deadline = time.monotonic() + 300
     while not list((out / "_units").glob("unit-*.json")) and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
@@ -275,8 +306,11 @@ def test_killing_the_whole_process_tree_during_commits_loses_and_duplicates_noth
     proc.wait(30)
     psutil.wait_procs(tree, timeout=30)
     # (bytes, mtime) of every shard committed before the kill: a rewrite, even of equal bytes, shows
-    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in (out / "shards").glob("*.parquet")
-              if (out / "_units" / p.name.replace("part", "unit").replace(".parquet", ".json")).exists()}
+    before = {
+        p.name: (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in (out / "shards").glob("*.parquet")
+        if (out / "_units" / p.name.replace("part", "unit").replace(".parquet", ".json")).exists()
+    }
     assert before, "the kill came before any unit was committed"
     resumed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -317,8 +351,11 @@ def test_killing_a_capture_actor_mid_run_loses_and_duplicates_nothing(ray_connec
     victim = None
     while victim is None and time.monotonic() < deadline and t.is_alive():
         if list((out / "_units").glob("unit-*.json")):
-            alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")])
-                     if "CaptureActor" in (a.class_name or "") and a.pid]
+            alive = [
+                a
+                for a in list_actors(filters=[("state", "=", "ALIVE")])
+                if "CaptureActor" in (a.class_name or "") and a.pid
+            ]
             victim = alive[0].pid if alive else None
         time.sleep(0.05)
     assert victim, "no live capture actor was found while units were committing"
@@ -346,26 +383,33 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
     # A cluster the job was submitted to may autoscale: the job asks for the actors and waits
     # (2 s here) before refusing.
     raw["ray"] = {"cpus_per_actor": ray.cluster_resources()["CPU"] + 1, "resource_wait_s": 2}
-    with pytest.raises(UnusableInput, match=r"capture actors x cpus_per_actor .* but the Ray cluster has .* after "
-                                            r"waiting 2 s for the autoscaler: lower ray"):
+    with pytest.raises(
+        UnusableInput,
+        match=r"capture actors x cpus_per_actor .* but the Ray cluster has .* after "
+        r"waiting 2 s for the autoscaler: lower ray",
+    ):
         run_extract(validate_config(raw, ExtractConfig), progress=False)
     assert not (tmp_path / "ds").exists()
 
 
 @pytest.mark.ray
-def test_the_job_process_leaves_torch_and_transformers_to_the_capture_actors(ray_connected, tiny_target, source,
-                                                                            tmp_path):
+def test_the_job_process_leaves_torch_and_transformers_to_the_capture_actors(
+    ray_connected, tiny_target, source, tmp_path
+):
     """Importing them costs the CLI's process seconds before Ray even starts; everything that
     computes (tokenizer, engine, fingerprints) runs in the capture actors. A whole extraction in
     a fresh process, fingerprints included, must end without either module loaded there."""
     src, nrows = source
     cfg_path = write_config(tmp_path, tiny_target, src, tmp_path / "ds", ray_connected["address"])
-    script = ("import json, sys\nfrom pipeline.cli import main\n"
-              f"code = main(['extract', '--config', {str(cfg_path)!r}, '--no-progress'])\n"
-              "print(json.dumps({'code': code, 'loaded': sorted(m for m in ('torch', 'transformers') "
-              "if m in sys.modules)}))")
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=ray_connected["env"], capture_output=True,
-                         text=True, timeout=600)
+    script = (
+        "import json, sys\nfrom pipeline.cli import main\n"
+        f"code = main(['extract', '--config', {str(cfg_path)!r}, '--no-progress'])\n"
+        "print(json.dumps({'code': code, 'loaded': sorted(m for m in ('torch', 'transformers') "
+        "if m in sys.modules)}))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=ray_connected["env"], capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {"code": 0, "loaded": []}, run.stderr[-3000:]
     m = DatasetReader(str(tmp_path / "ds")).manifest
@@ -383,8 +427,14 @@ def test_a_job_that_stops_progressing_fails_instead_of_waiting_forever(tiny_targ
     cfg["ray"]["stall_timeout_s"] = 0.5
     cfg_path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", "extract", "--config", str(cfg_path), "--no-progress"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "extract", "--config", str(cfg_path), "--no-progress"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 1, run.stderr[-3000:]
     assert "nothing finished in 0.5 s" in run.stderr and "ray.stall_timeout_s" in run.stderr, run.stderr[-3000:]
     assert not (tmp_path / "ds" / "manifest.json").exists()

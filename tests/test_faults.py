@@ -27,7 +27,9 @@ def test_wrong_credentials_are_one_clear_line(tmp_path, monkeypatch, capsys):
         uri = "s3://strata-test/creds"
         Registry(S3Store(uri, S3Config(endpoint_url=s3.endpoint))).create_channel("production", SERVING)
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-        with pytest.raises(StoreUnavailable, match="refused the request .*check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"):
+        with pytest.raises(
+            StoreUnavailable, match="refused the request .*check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY"
+        ):
             Registry(S3Store(uri, S3Config(endpoint_url=s3.endpoint))).channels()
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
         assert strata(["registry", "ls", "--registry", uri]) == 2
@@ -69,10 +71,17 @@ def test_s3_stopped_mid_run_and_restarted(tmp_path, monkeypatch):
 def _extract_cfg(tiny_target, conversations, uri, **extra):
     from schemas.extract import ExtractConfig
 
-    return ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)},
-        "output": {"uri": uri, "rows_per_shard": 16}, "capture": ["layer_output:1", "final:post_norm"],
-        "max_length": 128, "engine": {"dtype": "float32", "device": "cpu"}, **extra})
+    return ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": str(conversations)},
+            "output": {"uri": uri, "rows_per_shard": 16},
+            "capture": ["layer_output:1", "final:post_norm"],
+            "max_length": 128,
+            "engine": {"dtype": "float32", "device": "cpu"},
+            **extra,
+        }
+    )
 
 
 def _assert_every_row_once(uri, cfg, source_rows):
@@ -86,8 +95,9 @@ def _assert_every_row_once(uri, cfg, source_rows):
     assert len(ids) == len(set(ids)) == m.totals.rows
 
 
-def test_extraction_to_s3_survives_the_endpoint_stopping_and_restarting(tiny_target, conversations, tmp_path,
-                                                                         monkeypatch):
+def test_extraction_to_s3_survives_the_endpoint_stopping_and_restarting(
+    tiny_target, conversations, tmp_path, monkeypatch
+):
     """S3 goes away after the first shard is published: the job stops with one clear line, no
     manifest and no half-written object is visible, and the rerun (same config) resumes and
     writes every row exactly once."""
@@ -128,7 +138,8 @@ def test_extraction_to_s3_survives_the_endpoint_stopping_and_restarting(tiny_tar
 
 @pytest.mark.parametrize("fault", ["shard data", "commit"])
 def test_a_full_disk_during_a_local_write_is_one_clear_error_and_resumes_every_row_once(
-        fault, tiny_target, conversations, tmp_path, monkeypatch):
+    fault, tiny_target, conversations, tmp_path, monkeypatch
+):
     """ENOSPC after the first shard is published -- while a shard's bytes are written, or at the
     fsync of the next commit: the job stops naming the disk, no partial file (temporary or
     final) is left in the output, and the rerun writes every row exactly once."""

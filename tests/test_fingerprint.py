@@ -16,11 +16,17 @@ from schemas.extract import ExtractConfig
 @pytest.fixture(scope="module")
 def extracted(tiny_target, conversations, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp") / "ds"
-    cfg = ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)}, "output": {"uri": str(out)},
-        "capture": ["layer_output:1", "layer_output:2", "final:post_norm"], "max_length": 128,
-        "engine": {"dtype": "float32", "device": "cpu", "batch_tokens": 1}, "fingerprint": {"probe_samples": 6},
-    })
+    cfg = ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": str(conversations)},
+            "output": {"uri": str(out)},
+            "capture": ["layer_output:1", "layer_output:2", "final:post_norm"],
+            "max_length": 128,
+            "engine": {"dtype": "float32", "device": "cpu", "batch_tokens": 1},
+            "fingerprint": {"probe_samples": 6},
+        }
+    )
     return out, run_extract(cfg, progress=False, use_ray=False)
 
 
@@ -54,7 +60,7 @@ def test_sketch_preserves_relative_l2_and_separates_neighbouring_layers(tiny_tar
     names = [str(p) for p in points]
     x = full["layer_output:2"]
     bf16_noise = fpm.rel_l2(fpm.sketch(x.bfloat16().float(), proj)[0], sk["layer_output:2"])
-    assert bf16_noise < 0.01                             # rounding the same tensor: tiny
+    assert bf16_noise < 0.01  # rounding the same tensor: tiny
     for a, c in zip(names, names[1:], strict=False):
         exact, approx = fpm.rel_l2(full[a], full[c]), fpm.rel_l2(sk[a], sk[c])
         print(f"{a} vs {c}: rel L2 {exact:.3f} full, {approx:.3f} sketch (bf16 noise {bf16_noise:.4f})")

@@ -37,10 +37,10 @@ def test_each_point_equals_hidden_states_bit_exact(tiny_target, reference):
         b = eng.capture([s])  # one sequence: same kernels as the reference, so bit-exact
         hs, last = reference[i]
         assert torch.equal(unpack(b, C.embedding(), 0), hs[0][0])
-        assert torch.equal(unpack(b, C.layer_output(0), 0), hs[1][0])        # o_0 = hidden_states[1]
-        assert torch.equal(unpack(b, C.layer_output(2), 0), hs[3][0])        # o_j = hidden_states[j+1]
-        assert torch.equal(unpack(b, C.final("post"), 0), last[0])           # post-norm = last_hidden_state
-        assert torch.equal(unpack(b, C.final("post"), 0), hs[N][0])          # and HF's hidden_states[N]
+        assert torch.equal(unpack(b, C.layer_output(0), 0), hs[1][0])  # o_0 = hidden_states[1]
+        assert torch.equal(unpack(b, C.layer_output(2), 0), hs[3][0])  # o_j = hidden_states[j+1]
+        assert torch.equal(unpack(b, C.final("post"), 0), last[0])  # post-norm = last_hidden_state
+        assert torch.equal(unpack(b, C.final("post"), 0), hs[N][0])  # and HF's hidden_states[N]
         assert torch.equal(unpack(b, C.final("pre"), 0), unpack(b, C.layer_output(N - 1), 0))  # r_N twice
         assert not torch.equal(unpack(b, C.final("pre"), 0), unpack(b, C.final("post"), 0))
 
@@ -134,7 +134,7 @@ def test_provenance_native_ids(tiny_target):
     eng = HFEngine(tiny_target, [C.layer_output(2)], dtype="float32", device="cpu")
     ref = eng.engine_ref(C.layer_output(2))
     assert (ref.name, ref.native_id, ref.native_id_convention) == ("hf", 3, "hf_hidden_states_index")
-    assert eng.engine_ref(C.final("pre")).native_id is None   # HF hidden_states[N] is post-norm
+    assert eng.engine_ref(C.final("pre")).native_id is None  # HF hidden_states[N] is post-norm
     with pytest.raises(ValueError, match="6 decoder layers"):
         HFEngine(tiny_target, [C.layer_output(6)], dtype="float32", device="cpu")
 

@@ -16,7 +16,7 @@ def test_identity_digests_and_key(tiny_target, tmp_path):
     assert a.chat_template_sha256 and a.tokenizer_sha256 and a.config_sha256
     copy = shutil.copytree(tiny_target, tmp_path / "copy")
     b = target_identity(copy, name="renamed")
-    assert a.key == b.key and a.differences(b) == []           # content decides, not path or name
+    assert a.key == b.key and a.differences(b) == []  # content decides, not path or name
     (copy / "chat_template.jinja").write_text("{{ messages }}")
     c = target_identity(copy)
     assert c.key != a.key and [d.split(":")[0] for d in a.differences(c)] == ["chat_template"]
@@ -33,8 +33,11 @@ def test_a_multimodal_wrapper_is_read_through_its_text_config(tiny_target, tmp_p
 
     wrapped = shutil.copytree(tiny_target, tmp_path / "wrapped")
     text = {**json.loads((tiny_target / "config.json").read_text()), "model_type": "deepseek_v3"}
-    (wrapped / "config.json").write_text(json.dumps({"model_type": "some_vlm_wrapper", "num_hidden_layers": 27,
-                                                     "hidden_size": 1152, "text_config": text}))
+    (wrapped / "config.json").write_text(
+        json.dumps(
+            {"model_type": "some_vlm_wrapper", "num_hidden_layers": 27, "hidden_size": 1152, "text_config": text}
+        )
+    )
     ident = target_identity(wrapped)
     assert (ident.num_layers, ident.hidden_size, ident.vocab_size) == (6, 64, text["vocab_size"])
     cfg = target_config(wrapped)
@@ -48,11 +51,11 @@ def test_weight_digest_is_cached_by_path_size_mtime(tmp_path):
     f.write_bytes(b"a" * 1000)
     st = f.stat()
     d1 = file_sha256(f)
-    f.write_bytes(b"b" * 1000)                      # same size...
+    f.write_bytes(b"b" * 1000)  # same size...
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ...same mtime: served from the cache
     assert file_sha256(f) == d1
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
-    assert file_sha256(f) != d1                     # changed mtime: hashed again
+    assert file_sha256(f) != d1  # changed mtime: hashed again
     # Files that are gone leave the cache at its next write, so it does not grow run after run.
     from pipeline.identity import _cache_path
 
@@ -95,7 +98,9 @@ def test_config_errors_name_the_field(tmp_path):
         load_config(write(tmp_path, base + "typo_key: 1\n"), ExtractConfig)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml", ExtractConfig)
-    cfg = load_config(write(tmp_path, base + "capture: [embedding, 'layer_output:3', 'final:post_norm']\n"), ExtractConfig)
+    cfg = load_config(
+        write(tmp_path, base + "capture: [embedding, 'layer_output:3', 'final:post_norm']\n"), ExtractConfig
+    )
     assert [str(p) for p in cfg.capture] == ["embedding", "layer_output:3", "final:post_norm"]
 
 
@@ -104,8 +109,9 @@ def test_a_retired_key_is_dropped_with_a_warning_a_typo_still_fails(tmp_path):
     config keeps running and says to remove it; a misspelt key is still an error."""
     base = "target: {path: /m}\nsource: {uri: c.jsonl}\noutput: {uri: /o}\n"
     with pytest.warns(FutureWarning, match="ray.cpus_per_tokenize_task is ignored"):
-        cfg = load_config(write(tmp_path, base + "ray: {cpus_per_actor: 2, cpus_per_tokenize_task: 0.5}\n"),
-                          ExtractConfig)
+        cfg = load_config(
+            write(tmp_path, base + "ray: {cpus_per_actor: 2, cpus_per_tokenize_task: 0.5}\n"), ExtractConfig
+        )
     assert cfg.ray.cpus_per_actor == 2 and "cpus_per_tokenize_task" not in cfg.ray.model_dump()
     with pytest.raises(ConfigError, match=r"ray\.cpus_per_tokenise_task: Extra inputs are not permitted"):
         load_config(write(tmp_path, base + "ray: {cpus_per_tokenise_task: 0.5}\n"), ExtractConfig)

@@ -42,7 +42,9 @@ def image_tag() -> str:
 
 def images(obj) -> list[str]:
     if isinstance(obj, dict):
-        return ([obj["image"]] if isinstance(obj.get("image"), str) else []) + [i for v in obj.values() for i in images(v)]
+        return ([obj["image"]] if isinstance(obj.get("image"), str) else []) + [
+            i for v in obj.values() for i in images(v)
+        ]
     if isinstance(obj, list):
         return [i for v in obj for i in images(v)]
     return []
@@ -103,8 +105,11 @@ def test_rayjob_entrypoints_run_jobs_with_valid_configs(name, entrypoint):
     assert (REPO / config).is_file(), config
     kind = Path(argv[1]).stem
     cfg = load_config(REPO / config, CONFIG_MODEL[kind])  # validates, naming any bad field
-    gpu_groups = {g["groupName"]: int(g["rayStartParams"]["num-gpus"])
-                  for _, spec in cluster_specs() for g in spec["workerGroupSpecs"]}
+    gpu_groups = {
+        g["groupName"]: int(g["rayStartParams"]["num-gpus"])
+        for _, spec in cluster_specs()
+        for g in spec["workerGroupSpecs"]
+    }
     if kind in ("extract", "retrain"):
         ex = cfg if kind == "extract" else cfg.extract_config("/x", "/y")
         assert ex.ray.gpus_per_actor == ex.engine.tp_size > 1
@@ -149,13 +154,25 @@ def test_deepspeed_configs_are_accepted_by_deepspeed(path, tiny_target, tmp_path
 
     extra = json.loads(path.read_text())
     stage = extra["zero_optimization"]["stage"]
-    cfg = TrainConfig.model_validate({"dataset": "/d", "target": {"path": str(tiny_target)}, "output": "/o",
-                                      "deepspeed": {"zero_stage": stage, "config_file": str(path)}})
+    cfg = TrainConfig.model_validate(
+        {
+            "dataset": "/d",
+            "target": {"path": str(tiny_target)},
+            "output": "/o",
+            "deepspeed": {"zero_stage": stage, "config_file": str(path)},
+        }
+    )
     merged = ds_config(cfg)
     assert merged["train_micro_batch_size_per_gpu"] == 1 and merged["zero_optimization"]["stage"] == stage
     parsed = DeepSpeedConfig(merged)  # DeepSpeed's own validation (unknown keys are errors)
     assert parsed.zero_optimization_stage == stage
-    bad = TrainConfig.model_validate({"dataset": "/d", "target": {"path": str(tiny_target)}, "output": "/o",
-                                      "deepspeed": {"zero_stage": 1 if stage != 1 else 2, "config_file": str(path)}})
+    bad = TrainConfig.model_validate(
+        {
+            "dataset": "/d",
+            "target": {"path": str(tiny_target)},
+            "output": "/o",
+            "deepspeed": {"zero_stage": 1 if stage != 1 else 2, "config_file": str(path)},
+        }
+    )
     with pytest.raises(ValueError, match="disagrees with deepspeed.zero_stage"):
         ds_config(bad)

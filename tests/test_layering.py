@@ -68,7 +68,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(u)
         for v in sorted(edges.get(u, ())):
             if state.get(v) == 1:
-                return stack[stack.index(v):] + [v]
+                return stack[stack.index(v) :] + [v]
             if v not in state and (c := visit(v)):
                 return c
         stack.pop()
@@ -82,8 +82,12 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_schemas_import_neither_torch_nor_pipeline():
-    bad = [f"{rel(p)}:{line} imports {m}" for p in py_files("schemas") for m, line, _ in imports(p)
-           if m.split(".")[0] in ("torch", "pipeline", "numpy", "transformers")]
+    bad = [
+        f"{rel(p)}:{line} imports {m}"
+        for p in py_files("schemas")
+        for m, line, _ in imports(p)
+        if m.split(".")[0] in ("torch", "pipeline", "numpy", "transformers")
+    ]
     assert not bad, "schemas/ holds contracts only:\n" + "\n".join(bad)
 
 
@@ -106,9 +110,13 @@ def test_pipeline_packages_import_without_cycles():
 
 def type_checking_lines(path: Path) -> set[int]:
     """Lines of imports under ``if TYPE_CHECKING:``, which never run."""
-    return {n.lineno for block in ast.walk(ast.parse(path.read_text()))
-            if isinstance(block, ast.If) and _name(block.test) == "TYPE_CHECKING"
-            for n in ast.walk(block) if isinstance(n, ast.Import | ast.ImportFrom)}
+    return {
+        n.lineno
+        for block in ast.walk(ast.parse(path.read_text()))
+        if isinstance(block, ast.If) and _name(block.test) == "TYPE_CHECKING"
+        for n in ast.walk(block)
+        if isinstance(n, ast.Import | ast.ImportFrom)
+    }
 
 
 def loads_at_import(module: str, heavy: tuple[str, ...], seen: set[str] | None = None) -> list[str]:
@@ -137,9 +145,14 @@ def test_function_level_imports_only_defer_optional_engines_or_torch():
     for p in py_files("pipeline"):
         if rel(p) in LAZY_ENTRYPOINTS:
             continue
-        bad += [f"{rel(p)}:{line} imports {m} inside a function" for m, line, inner in imports(p)
-                if inner and m.startswith(("pipeline", "schemas")) and m not in OPTIONAL_ENGINE_MODULES
-                and not loads_at_import(m, ("torch",))]
+        bad += [
+            f"{rel(p)}:{line} imports {m} inside a function"
+            for m, line, inner in imports(p)
+            if inner
+            and m.startswith(("pipeline", "schemas"))
+            and m not in OPTIONAL_ENGINE_MODULES
+            and not loads_at_import(m, ("torch",))
+        ]
     assert not bad, "import at module level (or move the shared piece down a layer):\n" + "\n".join(bad)
 
 
@@ -172,8 +185,12 @@ def layer_arithmetic(source: str) -> list[str]:
 
 
 def test_layer_id_arithmetic_only_in_conventions():
-    bad = [f"{rel(p)}:{hit}" for p in py_files("pipeline") + py_files("schemas") if "conventions" not in p.parts
-           for hit in layer_arithmetic(p.read_text())]
+    bad = [
+        f"{rel(p)}:{hit}"
+        for p in py_files("pipeline") + py_files("schemas")
+        if "conventions" not in p.parts
+        for hit in layer_arithmetic(p.read_text())
+    ]
     assert not bad, "layer ids are computed only in pipeline/conventions:\n" + "\n".join(bad)
 
 
@@ -186,3 +203,15 @@ def test_the_rules_catch_what_they_forbid():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
     assert loads_at_import("pipeline.extract.worker", ("torch",))[-1] == "torch"
+
+
+def test_the_tree_is_ruff_formatted():
+    """``ruff format`` (line length 120, pyproject.toml) holds across the tree: style is the
+    formatter's, never a review topic."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    r = subprocess.run([ruff, "format", "--check", "."], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, f"run `ruff format .`:\n{r.stdout[-2000:]}"

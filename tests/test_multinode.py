@@ -36,8 +36,14 @@ def launch(script: str, cfg: dict, tmp_path: Path, address: str) -> subprocess.P
     p.write_text(json.dumps(cfg))
     env = {**os.environ, "RAY_ADDRESS": address}
     extra = ["--no-progress"] if script == "extract" else []
-    return subprocess.Popen([sys.executable, f"jobs/{script}.py", "--config", str(p), *extra], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, f"jobs/{script}.py", "--config", str(p), *extra],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -63,11 +69,15 @@ def finish(script, cfg, tmp_path, address, first: subprocess.Popen) -> str:
 def test_extraction_survives_a_node_removed_mid_run(cluster, tiny_target, conversations, tmp_path):
     c, workers = cluster
     out = tmp_path / "ds"
-    cfg = {"target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)},
-           "output": {"uri": str(out), "rows_per_shard": 4}, "max_length": 128,
-           "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
-           "engine": {"dtype": "float32", "device": "cpu"},
-           "ray": {"num_actors": 2, "cpus_per_actor": 0.5}}
+    cfg = {
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(conversations)},
+        "output": {"uri": str(out), "rows_per_shard": 4},
+        "max_length": 128,
+        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+        "engine": {"dtype": "float32", "device": "cpu"},
+        "ray": {"num_actors": 2, "cpus_per_actor": 0.5},
+    }
     job = launch("extract", cfg, tmp_path, c.address)
     wait_for(lambda: len(list((out / "_units").glob("unit-*.json"))) >= 1, job)
     committed = {p.name: p.stat().st_mtime_ns for p in (out / "_units").glob("unit-*.json")}
@@ -87,11 +97,25 @@ def test_extraction_survives_a_node_removed_mid_run(cluster, tiny_target, conver
 def test_training_resumes_after_a_node_removed_mid_run(cluster, trained_run, tiny_target, tmp_path):
     c, workers = cluster
     out = tmp_path / "run"
-    cfg = {"dataset": str(trained_run.parent / "ds"), "target": {"path": str(tiny_target)}, "output": str(out),
-           "draft_vocab_size": 4096, "ttt_steps": 2, "batch_tokens": 512, "epochs": 2, "max_steps": 12,
-           "checkpoint_every": 3, "metrics_every": 3, "eval_fraction": 0.0, "num_workers": 2,
-           "cpus_per_worker": 1.0, "data_loading": "ray_data", "optim": {"lr": 3e-3, "warmup_steps": 2},
-           "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32"}}
+    cfg = {
+        "dataset": str(trained_run.parent / "ds"),
+        "target": {"path": str(tiny_target)},
+        "output": str(out),
+        "draft_vocab_size": 4096,
+        "ttt_steps": 2,
+        "batch_tokens": 512,
+        "epochs": 2,
+        "max_steps": 12,
+        "checkpoint_every": 3,
+        "metrics_every": 3,
+        "eval_fraction": 0.0,
+        "num_workers": 2,
+        "cpus_per_worker": 1.0,
+        "data_loading": "ray_data",
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "export": {"dtype": "float32"},
+    }
     job = launch("train", cfg, tmp_path, c.address)
     wait_for(lambda: (out / "checkpoints" / "latest.json").exists(), job, timeout=600)
     first_ckpt = json.loads((out / "checkpoints" / "latest.json").read_text())["step"]

@@ -27,7 +27,7 @@ def test_training_is_deterministic_and_cached(tmp_path, monkeypatch, caplog):
     assert ra["weights_sha256"] == rb["weights_sha256"]
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert ra["train_loss"] == rb["train_loss"] and ra["heldout_loss"] == rb["heldout_loss"]
-    assert ra["train_loss"][-1][1] < ra["train_loss"][0][1]         # it learns
+    assert ra["train_loss"][-1][1] < ra["train_loss"][0][1]  # it learns
 
     # Cached by content: the first call trains into the cache, the second copies it.
     c = trained_tiny_target(tmp_path / "c", QUICK)
@@ -39,7 +39,7 @@ def test_training_is_deterministic_and_cached(tmp_path, monkeypatch, caplog):
     # Another recipe is another key: never served from this cache entry.
     docs = corpus_documents(train_tokenizer(QUICK.vocab_size))
     assert cache_key(QUICK, docs) != cache_key(PretrainRecipe(**{**QUICK.__dict__, "seed": 1}), docs)
-    assert cache_key(QUICK, docs) != cache_key(QUICK, docs[:-1])     # the corpus text is part of the key
+    assert cache_key(QUICK, docs) != cache_key(QUICK, docs[:-1])  # the corpus text is part of the key
 
 
 def test_corpus_is_code_and_prose_with_a_heldout_split():
@@ -50,7 +50,7 @@ def test_corpus_is_code_and_prose_with_a_heldout_split():
     assert any("def " in text for d, text in docs if d.startswith("src:"))
     held = [d for d in ids if is_heldout(d, 0.05)]
     assert 0 < len(held) < 0.15 * len(ids)
-    assert held == [d for d in ids if is_heldout(d, 0.05)]            # stable
+    assert held == [d for d in ids if is_heldout(d, 0.05)]  # stable
 
 
 def test_the_trained_target_is_worth_speculating_on(pretrained_target):

@@ -65,8 +65,11 @@ def test_a_pickle_checkpoint_is_refused_and_bad_drafts_are_named(trained_run, ti
 
 def test_every_reading_of_a_config_is_a_candidate():
     n = 12
-    readings = conventions.readings_of_config({"eagle_config": {conventions.AUX_KEY: [1, 5, 8]}}, n,
-                                              {"sglang": "LlamaForCausalLM", "vllm": "LlamaForCausalLM"})
+    readings = conventions.readings_of_config(
+        {"eagle_config": {conventions.AUX_KEY: [1, 5, 8]}},
+        n,
+        {"sglang": "LlamaForCausalLM", "vllm": "LlamaForCausalLM"},
+    )
     by = {tuple(str(p) for p in k): v for k, v in readings.items()}
     # SGLang's llama.py adds 1; SpecForge's ids are layer outputs: the same tensors
     o158 = (str(lo(1)), str(lo(5)), str(lo(8)))
@@ -82,9 +85,9 @@ def test_every_reading_of_a_config_is_a_candidate():
 
 # -- drafts trained on three aux sets, probed back from other tools' layouts ---------------------
 SETS = {
-    "the EAGLE-3 default": [lo(1), lo(5), lo(8)],         # r_2, r_6, r_9: the pretrained run's draft
-    "another spread": [lo(2), lo(6), lo(10)],             # r_3, r_7, r_11
-    "with the embedding": [E, lo(3), lo(7)],              # r_0, r_4, r_8
+    "the EAGLE-3 default": [lo(1), lo(5), lo(8)],  # r_2, r_6, r_9: the pretrained run's draft
+    "another spread": [lo(2), lo(6), lo(10)],  # r_3, r_7, r_11
+    "with the embedding": [E, lo(3), lo(7)],  # r_0, r_4, r_8
 }
 
 
@@ -106,9 +109,18 @@ def drafts(pretrained_run, pretrained_target, tmp_path_factory):
         if name in out:
             continue
         run = root / name.replace(" ", "-")
-        run_train(TrainConfig.model_validate({
-            **base, "output": str(run), "aux": [str(p) for p in aux], "epochs": 4, "heldout_acceptance": {"prompts": 0}}),
-            use_ray=False)
+        run_train(
+            TrainConfig.model_validate(
+                {
+                    **base,
+                    "output": str(run),
+                    "aux": [str(p) for p in aux],
+                    "epochs": 4,
+                    "heldout_acceptance": {"prompts": 0},
+                }
+            ),
+            use_ray=False,
+        )
         out[name] = run / "export" / "vllm"
     return out
 
@@ -119,8 +131,10 @@ def probe_capture(pretrained_target):
     from pipeline.probe.job import probe_prompts
     from schemas.probe import ProbeConfig
 
-    return capture_boundaries(pretrained_target, probe_prompts(ProbeConfig.model_validate(
-        {"draft": "-", "target": {"path": str(pretrained_target)}})))
+    return capture_boundaries(
+        pretrained_target,
+        probe_prompts(ProbeConfig.model_validate({"draft": "-", "target": {"path": str(pretrained_target)}})),
+    )
 
 
 def _probe(draft: Path, target: Path, capture=None, **extra):
@@ -137,8 +151,9 @@ def _probe(draft: Path, target: Path, capture=None, **extra):
 
 
 @pytest.mark.parametrize("name", list(SETS))
-def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(name, drafts, pretrained_target, probe_capture,
-                                                                      tmp_path):
+def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(
+    name, drafts, pretrained_target, probe_capture, tmp_path
+):
     """Every draft, from SpecForge's layout with no ids and speculators' with ids off by one: the
     probe names its trained set, or says it cannot tell -- never another set. (On this tiny target
     the drafts trained here barely depend on which layers they read: adjacent boundaries differ by
@@ -181,15 +196,18 @@ def test_a_shortlist_is_scored_as_given_and_checked(drafts, pretrained_target, p
     trained = SETS["with the embedding"]
     sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, tmp_path / "wheels")
     shifted = conventions.shifted(trained, 1, 12)
-    r = _probe(sf, pretrained_target, probe_capture, candidates=[[str(p) for p in c] for c in (shifted, trained)]).report
+    r = _probe(
+        sf, pretrained_target, probe_capture, candidates=[[str(p) for p in c] for c in (shifted, trained)]
+    ).report
     assert r.evaluated == 2 and {tuple(r.best.points), tuple(r.runner_up.points)} == {tuple(trained), tuple(shifted)}
     assert r.verdict in ("inferred", "inconclusive") and (r.verdict == "inconclusive" or r.best.points == trained)
     with pytest.raises(ForeignDraftError, match="the draft has 3 slots"):
         _probe(sf, pretrained_target, probe_capture, candidates=[["embedding"], ["layer_output:1"]])
 
 
-def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(drafts, pretrained_target,
-                                                                                probe_capture, tmp_path):
+def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(
+    drafts, pretrained_target, probe_capture, tmp_path
+):
     from pipeline.cli import EXIT_INCONCLUSIVE, EXIT_USAGE, main
     from pipeline.draft.model import init_weights
 
@@ -213,12 +231,19 @@ def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(
 
 
 def _serving(target: Path) -> dict:
-    return {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512, "target": {"path": str(target)}}
+    return {
+        "engine": "vllm",
+        "replay": "engine",
+        "dtype": "float32",
+        "max_model_len": 512,
+        "target": {"path": str(target)},
+    }
 
 
 @pytest.mark.vllm
-def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(vllm_engine, drafts, pretrained_target,
-                                                                          probe_capture, tmp_path):
+def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
+    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path
+):
     """speculators-layout drafts served by vLLM: the feed measured at the draft's fc against the
     inferred training set -- the off-by-one config blocked (exit 3) with the ids to write, the
     correct one passed."""
@@ -228,8 +253,9 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(vllm_
     sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, work)
     good = conventions.aux_ids_for(trained, "vllm", 12)
     ok = speculators_export(sf, tmp_path / "sp-good", pretrained_target, good, work, vocab_buffers=False)
-    r = _probe(ok, pretrained_target, probe_capture, serving=_serving(pretrained_target),
-               trained_on=[str(p) for p in trained]).report
+    r = _probe(
+        ok, pretrained_target, probe_capture, serving=_serving(pretrained_target), trained_on=[str(p) for p in trained]
+    ).report
     assert r.verdict == "pass" and r.provenance == "declared", (r.summary, r.reasons)
     assert r.summary.startswith("declared trained on r_0, r_4, r_8; the probe's evidence")
     assert [s["fed"] for s in r.serving["slots"]] == [str(p) for p in trained]
@@ -237,19 +263,29 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(vllm_
 
     bad = speculators_export(sf, tmp_path / "sp-bad", pretrained_target, mislabeled(trained), work, vocab_buffers=False)
     cfg = tmp_path / "probe.yaml"
-    cfg.write_text(json.dumps({"draft": str(bad), "serving": _serving(pretrained_target), "prompts": 8,
-                               "trained_on": [str(p) for p in trained]}))
+    cfg.write_text(
+        json.dumps(
+            {
+                "draft": str(bad),
+                "serving": _serving(pretrained_target),
+                "prompts": 8,
+                "trained_on": [str(p) for p in trained],
+            }
+        )
+    )
     assert main(["probe", "--config", str(cfg)]) == EXIT_BLOCKED
-    rep = _probe(bad, pretrained_target, probe_capture, serving=_serving(pretrained_target),
-                 trained_on=[str(p) for p in trained]).report.model_dump(mode="json")
+    rep = _probe(
+        bad, pretrained_target, probe_capture, serving=_serving(pretrained_target), trained_on=[str(p) for p in trained]
+    ).report.model_dump(mode="json")
     assert rep["verdict"] == "block" and rep["declared"] == [p.model_dump(mode="json") for p in trained]
     assert [s["fed"] for s in rep["serving"]["slots"]] == [str(p) for p in conventions.shifted(trained, 1, 12)]
     assert any(f"write top-level {conventions.AUX_KEY}={good}" in x for x in rep["reasons"]), rep["reasons"]
 
 
 @pytest.mark.vllm
-def test_a_foreign_draft_is_validated_imported_and_promoted_through_the_gate(vllm_engine, drafts, pretrained_target,
-                                                                             tmp_path):
+def test_a_foreign_draft_is_validated_imported_and_promoted_through_the_gate(
+    vllm_engine, drafts, pretrained_target, tmp_path
+):
     from pipeline.cli import main
     from pipeline.registry.registry import Registry
     from pipeline.store.objects import LocalStore
@@ -259,22 +295,49 @@ def test_a_foreign_draft_is_validated_imported_and_promoted_through_the_gate(vll
 
     trained, work = SETS["with the embedding"], tmp_path / "wheels"
     sf = specforge_export(drafts["with the embedding"], tmp_path / "sf", None, work)
-    d = speculators_export(sf, tmp_path / "hub-draft", pretrained_target, conventions.aux_ids_for(trained, "vllm", 12),
-                           work, vocab_buffers=False)
+    d = speculators_export(
+        sf,
+        tmp_path / "hub-draft",
+        pretrained_target,
+        conventions.aux_ids_for(trained, "vllm", 12),
+        work,
+        vocab_buffers=False,
+    )
     reg_dir = tmp_path / "registry"
-    vcfg = {"artifact": str(d), "serving": _serving(pretrained_target), "cost": False, "acceptance_prompts": 4,
-            "max_new_tokens": 16, "probe": {"trained_on": [str(p) for p in trained]}}
+    vcfg = {
+        "artifact": str(d),
+        "serving": _serving(pretrained_target),
+        "cost": False,
+        "acceptance_prompts": 4,
+        "max_new_tokens": 16,
+        "probe": {"trained_on": [str(p) for p in trained]},
+    }
     r = run_validate(ValidateConfig.model_validate({**vcfg, "registry": str(reg_dir)}))
     assert r.decision == "pass", r.reasons
     assert r.provenance["trained_points"].startswith("declared by whoever trained") and "margin" in r.provenance
     assert all("not available for an imported draft" in c.message for c in r.identity)
     assert [s.trained for s in r.slots] == trained and all(s.fed_by == "measured" for s in r.slots)
 
-    assert main(["import", str(d), "--target", str(pretrained_target), "--registry", str(reg_dir), "--trained-on",
-                 ",".join(str(p) for p in trained)]) == 0
+    assert (
+        main(
+            [
+                "import",
+                str(d),
+                "--target",
+                str(pretrained_target),
+                "--registry",
+                str(reg_dir),
+                "--trained-on",
+                ",".join(str(p) for p in trained),
+            ]
+        )
+        == 0
+    )
     reg = Registry(LocalStore(reg_dir))
     assert [x.decision for x, _ in reg.all_records(r.artifact_digest)] == ["pass"]  # the same digest as validated
-    manifest = DraftArtifactManifest.model_validate_json(reg.store.get(f"artifacts/{r.artifact_digest}/strata_artifact.json")[0])
+    manifest = DraftArtifactManifest.model_validate_json(
+        reg.store.get(f"artifacts/{r.artifact_digest}/strata_artifact.json")[0]
+    )
     assert manifest.provenance == "declared" and manifest.aux_capture_points == trained and manifest.dataset_id is None
     assert manifest.probe["declared"] == [p.model_dump(mode="json") for p in trained]
     assert "margin_se" in manifest.probe and manifest.probe["verdict"] == "declared"  # the probe's evidence beside it

@@ -23,11 +23,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def regen_cfg(target: Path, source: Path, out: Path, **kw) -> RegenerateConfig:
-    return RegenerateConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(source)},
-        "output": {"uri": str(out), "rows_per_unit": kw.pop("rows_per_unit", 8)},
-        "engine": {"name": "hf", "dtype": "float32", "device": "cpu"}, "max_new_tokens": kw.pop("max_new_tokens", 12),
-        **kw})
+    return RegenerateConfig.model_validate(
+        {
+            "target": {"path": str(target)},
+            "source": {"uri": str(source)},
+            "output": {"uri": str(out), "rows_per_unit": kw.pop("rows_per_unit", 8)},
+            "engine": {"name": "hf", "dtype": "float32", "device": "cpu"},
+            "max_new_tokens": kw.pop("max_new_tokens", 12),
+            **kw,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +61,23 @@ def test_greedy_regeneration_replaces_every_assistant_turn_and_reconciles(greedy
     reasons = {q["row"]: q["reason"] for q in rec.quarantine}
     assert set(reasons) == {3, 10} and "malformed JSON" in reasons[3] and "no assistant turn" in reasons[10]
     written = [json.loads(x)["messages"] for x in (out / "conversations.jsonl").read_text().splitlines()]
-    originals = [parse_row(x.encode()).messages for i, x in enumerate(source.read_text().splitlines())
-                 if i not in (3, 10)]
+    originals = [
+        parse_row(x.encode()).messages for i, x in enumerate(source.read_text().splitlines()) if i not in (3, 10)
+    ]
     assert len(written) == t["written"] == len(originals)
     for new, old in zip(written, originals, strict=True):
         # the users' turns are kept; the assistant's are the target's (a random-init target: not the originals)
-        assert [m for m in new if m["role"] == "user"] == [m for m in old if m["role"] == "user"][:len(
-            [m for m in new if m["role"] == "user"])]
-        assert [m["role"] for m in new] == [m["role"] for m in old][:len(new)]
+        assert [m for m in new if m["role"] == "user"] == [m for m in old if m["role"] == "user"][
+            : len([m for m in new if m["role"] == "user"])
+        ]
+        assert [m["role"] for m in new] == [m["role"] for m in old][: len(new)]
     assert sum(m["role"] == "assistant" for c in written for m in c) == t["turns"] > 0
-    assert any(m["content"] != o["content"] for c, oc in zip(written, originals, strict=True)
-               for m, o in zip(c, oc, strict=False) if m["role"] == "assistant")
+    assert any(
+        m["content"] != o["content"]
+        for c, oc in zip(written, originals, strict=True)
+        for m, o in zip(c, oc, strict=False)
+        if m["role"] == "assistant"
+    )
     assert rec.engine["name"] == "hf" and rec.sampling.temperature == 0 and rec.target.key
     # Each response is what the target itself decodes greedily for that prompt.
     from pipeline.data.chat import ChatEncoder
@@ -82,8 +93,9 @@ def test_greedy_regeneration_replaces_every_assistant_turn_and_reconciles(greedy
 
 def test_greedy_is_deterministic_and_a_finished_job_is_a_no_op(greedy, tiny_target, source, tmp_path):
     rec, out = greedy
-    again = run_regenerate(regen_cfg(tiny_target, source, tmp_path / "again", rows_per_unit=5), progress=False,
-                           use_ray=False)
+    again = run_regenerate(
+        regen_cfg(tiny_target, source, tmp_path / "again", rows_per_unit=5), progress=False, use_ray=False
+    )
     # another unit size, the same bytes: a response depends on its conversation only
     assert (tmp_path / "again" / "conversations.jsonl").read_bytes() == (out / "conversations.jsonl").read_bytes()
     assert again.output_sha256 == rec.output_sha256
@@ -112,11 +124,13 @@ def test_resume_after_a_kill_finishes_with_the_uninterrupted_bytes(greedy, tiny_
     _, ref = greedy
     out = tmp_path / "out"
     cfg_path = tmp_path / "regen.yaml"
-    cfg_path.write_text(yaml.safe_dump(json.loads(regen_cfg(tiny_target, source, out, rows_per_unit=4)
-                                                  .model_dump_json())))
+    cfg_path.write_text(
+        yaml.safe_dump(json.loads(regen_cfg(tiny_target, source, out, rows_per_unit=4).model_dump_json()))
+    )
     cmd = [sys.executable, "jobs/regenerate.py", "--config", str(cfg_path), "--no-ray", "--no-progress"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ}
+    )
     deadline = time.monotonic() + 300
     while not list((out / "_units").glob("unit-*.json")) and proc.poll() is None:
         assert time.monotonic() < deadline, "no unit was committed in time"
@@ -140,7 +154,8 @@ def test_resume_after_a_kill_finishes_with_the_uninterrupted_bytes(greedy, tiny_
 
 @pytest.mark.ray
 def test_on_ray_the_regenerated_data_carries_its_provenance_into_the_dataset_and_the_artifact(
-        ray_cluster, greedy, tiny_target, source, tmp_path):
+    ray_cluster, greedy, tiny_target, source, tmp_path
+):
     """The job on the test cluster's actors writes the same bytes; extraction of its output records
     the regeneration, and training carries it into every exported artifact."""
     from pipeline.extract.job import run_extract
@@ -153,22 +168,45 @@ def test_on_ray_the_regenerated_data_carries_its_provenance_into_the_dataset_and
     cfg = regen_cfg(tiny_target, source, tmp_path / "regen", ray={"address": ray_cluster["address"], "num_actors": 2})
     on_ray = run_regenerate(cfg, progress=False, use_ray=True)
     assert on_ray.output_sha256 == rec.output_sha256
-    m = run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": output_uri(cfg)}, "output": {"uri": str(tmp_path / "ds")},
-        "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"], "max_length": 256,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 2}}),
-        progress=False, use_ray=False)
+    m = run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(tiny_target)},
+                "source": {"uri": output_uri(cfg)},
+                "output": {"uri": str(tmp_path / "ds")},
+                "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+                "max_length": 256,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 2},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
     regen = m.source.regeneration
     assert regen is not None and regen["output_sha256"] == m.source.sha256 == rec.output_sha256
     from schemas.identity import TargetIdentity
 
     assert TargetIdentity.model_validate(regen["target"]).key == rec.target.key and regen["engine"]["name"] == "hf"
     assert regen["sampling"] == {"temperature": 0.0, "top_p": 1.0, "seed": 0}
-    run_train(TrainConfig.model_validate({
-        "dataset": str(tmp_path / "ds"), "target": {"path": str(tiny_target)}, "output": str(tmp_path / "run"),
-        "draft_vocab_size": 512, "ttt_steps": 1, "batch_tokens": 512, "epochs": 1, "num_workers": 1,
-        "heldout_acceptance": {"prompts": 0}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "export": {"dtype": "float32", "engines": ["vllm"]}}), use_ray=False)
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(tmp_path / "ds"),
+                "target": {"path": str(tiny_target)},
+                "output": str(tmp_path / "run"),
+                "draft_vocab_size": 512,
+                "ttt_steps": 1,
+                "batch_tokens": 512,
+                "epochs": 1,
+                "num_workers": 1,
+                "heldout_acceptance": {"prompts": 0},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32", "engines": ["vllm"]},
+            }
+        ),
+        use_ray=False,
+    )
     art = json.loads((tmp_path / "run" / "export" / "vllm" / ARTIFACT_MANIFEST).read_text())
     assert art["training"]["data_source"]["regeneration"]["output_sha256"] == rec.output_sha256
     # An edited file is no longer the target's output: extraction does not call it regenerated.
@@ -187,8 +225,13 @@ def test_regeneration_through_vllm_matches_the_hf_answers(vllm_engine, greedy, t
     """vLLM (batched, fp32) writes the same greedy answers as HF one prompt at a time, and says so
     in the record."""
     rec, ref = greedy
-    cfg = regen_cfg(tiny_target, source, tmp_path / "vllm", engine={"name": "vllm", "dtype": "float32",
-                                                                    "max_model_len": 1024}, max_length=512)
+    cfg = regen_cfg(
+        tiny_target,
+        source,
+        tmp_path / "vllm",
+        engine={"name": "vllm", "dtype": "float32", "max_model_len": 1024},
+        max_length=512,
+    )
     got = run_regenerate(cfg, progress=False, use_ray=False)
     assert got.engine["name"] == "vllm" and got.engine["version"] == vllm_engine.vllm_version()
     assert got.totals["rows"] == got.totals["written"] + got.totals["quarantined"] == 22

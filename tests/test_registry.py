@@ -15,25 +15,53 @@ from schemas.config import S3Config
 from schemas.identity import TargetIdentity
 from schemas.registry import Deployment, ValidationRecord
 
-TARGET = TargetIdentity(model_name="fake", model_path="/nowhere", architecture="LlamaForCausalLM", num_layers=6,
-                        hidden_size=16, vocab_size=40, weights=[], weights_sha256="w", config_sha256="c", tokenizer=[],
-                        tokenizer_sha256="t", chat_template_sha256="x")
-SERVING = Deployment(engine="vllm", engine_version="0.32.0", dtype="bfloat16", draft_config_sha256="cfg",
-                        target_key=TARGET.key)
+TARGET = TargetIdentity(
+    model_name="fake",
+    model_path="/nowhere",
+    architecture="LlamaForCausalLM",
+    num_layers=6,
+    hidden_size=16,
+    vocab_size=40,
+    weights=[],
+    weights_sha256="w",
+    config_sha256="c",
+    tokenizer=[],
+    tokenizer_sha256="t",
+    chat_template_sha256="x",
+)
+SERVING = Deployment(
+    engine="vllm", engine_version="0.32.0", dtype="bfloat16", draft_config_sha256="cfg", target_key=TARGET.key
+)
 
 
 def artifact(tmp_path, seed: int):
-    cfg = DraftConfig(hidden_size=16, target_hidden_size=16, num_aux=3, intermediate_size=32, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8, vocab_size=40, draft_vocab_size=20)
+    cfg = DraftConfig(
+        hidden_size=16,
+        target_hidden_size=16,
+        num_aux=3,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=40,
+        draft_vocab_size=20,
+    )
     m = Eagle3Draft(cfg)
     init_weights(m, seed=seed)
     d = tmp_path / f"draft-{seed}"
-    return d, export_draft(m, d, "vllm", [C.layer_output(1), C.layer_output(2), C.layer_output(3)], TARGET).content_digest
+    return d, export_draft(
+        m, d, "vllm", [C.layer_output(1), C.layer_output(2), C.layer_output(3)], TARGET
+    ).content_digest
 
 
 def record(digest, serving=SERVING, decision="pass", reasons=()):
-    return ValidationRecord(record_id=uuid.uuid4().hex[:12], artifact_digest=digest, serving=serving,
-                            decision=decision, reasons=list(reasons))
+    return ValidationRecord(
+        record_id=uuid.uuid4().hex[:12],
+        artifact_digest=digest,
+        serving=serving,
+        decision=decision,
+        reasons=list(reasons),
+    )
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -41,7 +69,9 @@ def registry(request, tmp_path):
     if request.param == "local":
         return Registry(LocalStore(tmp_path / "registry"))
     s3 = request.getfixturevalue("s3_server")
-    return Registry(S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", S3Config(endpoint_url=s3["endpoint"])))
+    return Registry(
+        S3Store(f"s3://{s3['bucket']}/registry-{uuid.uuid4().hex[:8]}", S3Config(endpoint_url=s3["endpoint"]))
+    )
 
 
 def test_promotion_requires_a_passing_record_for_the_channel_deployment(registry, tmp_path):
@@ -51,7 +81,7 @@ def test_promotion_requires_a_passing_record_for_the_channel_deployment(registry
     with pytest.raises(PromotionRefused, match="no validation record"):
         registry.promote(digest, "production")
     other = SERVING.model_copy(update={"dtype": "float32"})
-    registry.add_record(record(digest, serving=other))               # passing, but for another serving config
+    registry.add_record(record(digest, serving=other))  # passing, but for another serving config
     with pytest.raises(PromotionRefused, match=f"records exist for \\['{other.key}'\\]"):
         registry.promote(digest, "production")
     registry.add_record(record(digest, decision="block", reasons=["slot 0 carries o_2, trained on o_1"]))
@@ -59,7 +89,7 @@ def test_promotion_requires_a_passing_record_for_the_channel_deployment(registry
         registry.promote(digest, "production")
     d2, digest2 = artifact(tmp_path, 2)
     registry.add_artifact(d2)
-    registry.add_record(record(digest2))                             # a pass for ANOTHER artifact
+    registry.add_record(record(digest2))  # a pass for ANOTHER artifact
     with pytest.raises(PromotionRefused):
         registry.promote(digest, "production")
     assert registry.pointer("production")[0] is None
@@ -67,8 +97,12 @@ def test_promotion_requires_a_passing_record_for_the_channel_deployment(registry
     assert ptr.artifact_digest == digest2 and registry.pointer("production")[0].artifact_digest == digest2
     hist = registry.history("production")
     assert [(e.decision, e.artifact_digest[:8]) for e in hist if e.action == "promote"] == [
-        ("refused", digest[:8]), ("refused", digest[:8]), ("refused", digest[:8]), ("refused", digest[:8]),
-        ("accepted", digest2[:8])]
+        ("refused", digest[:8]),
+        ("refused", digest[:8]),
+        ("refused", digest[:8]),
+        ("refused", digest[:8]),
+        ("accepted", digest2[:8]),
+    ]
 
 
 def test_concurrent_promotions_have_exactly_one_winner(registry, tmp_path, monkeypatch):
@@ -117,7 +151,7 @@ def test_concurrent_promotions_have_exactly_one_winner(registry, tmp_path, monke
 def test_artifacts_are_content_addressed_and_checked(registry, tmp_path):
     d, digest = artifact(tmp_path, 3)
     assert registry.add_artifact(d).content_digest == digest
-    assert registry.add_artifact(d).content_digest == digest          # idempotent
+    assert registry.add_artifact(d).content_digest == digest  # idempotent
     assert registry.artifacts() == [digest]
     blob = bytearray((d / "model.safetensors").read_bytes())
     blob[-5] ^= 0xFF
@@ -142,7 +176,9 @@ def test_no_credentials_in_registry_objects(s3_server, tmp_path):
     c = s3_server["client"]
     for o in c.list_objects_v2(Bucket=s3_server["bucket"], Prefix="registry-creds/")["Contents"]:
         body = c.get_object(Bucket=s3_server["bucket"], Key=o["Key"])["Body"].read()
-        assert b"strata-test-secret" not in body and b"strata-test" not in body.replace(b"strata-test-secret", b""), o["Key"]
+        assert b"strata-test-secret" not in body and b"strata-test" not in body.replace(b"strata-test-secret", b""), o[
+            "Key"
+        ]
 
 
 def test_promote_cli_exit_codes(tmp_path, capsys):
@@ -177,7 +213,7 @@ def test_a_record_copied_to_another_artifact_does_not_promote_it(registry, tmp_p
     a, b = two_artifacts(registry, tmp_path)
     key_a = registry.add_record(record(a))
     body = registry.store.get(key_a)[0]
-    registry.store.put(key_a.replace(f"records/{a}/", f"records/{b}/"), body)   # A's pass under B's folder
+    registry.store.put(key_a.replace(f"records/{a}/", f"records/{b}/"), body)  # A's pass under B's folder
     with pytest.raises(PromotionRefused, match=f"is a record of artifact {a[:16]}, not {b[:16]}"):
         registry.promote(b, "production")
     assert registry.pointer("production")[0] is None
@@ -187,8 +223,9 @@ def test_an_edited_record_does_not_count(registry, tmp_path):
     a, _ = two_artifacts(registry, tmp_path)
     key = registry.add_record(record(a, decision="block", reasons=["slot 0 is fed o_2"]))
     edited = ValidationRecord.model_validate_json(registry.store.get(key)[0]).model_copy(
-        update={"decision": "pass", "reasons": []})
-    registry.store.put(key, edited.model_dump_json().encode())                  # block -> pass in place
+        update={"decision": "pass", "reasons": []}
+    )
+    registry.store.put(key, edited.model_dump_json().encode())  # block -> pass in place
     with pytest.raises(PromotionRefused, match="edited after it was written"):
         registry.promote(a, "production")
     assert registry.pointer("production")[0] is None
@@ -198,7 +235,7 @@ def test_a_record_dated_in_the_future_does_not_count(registry, tmp_path):
     a, _ = two_artifacts(registry, tmp_path)
     registry.add_record(record(a, decision="block", reasons=["acceptance far below"]))
     future = record(a).model_copy(update={"created_at": "2999-01-01T00:00:00+00:00"})
-    registry.add_record(future)                       # would sort after the block and win
+    registry.add_record(future)  # would sort after the block and win
     with pytest.raises(PromotionRefused, match="blocked it: acceptance far below"):
         registry.promote(a, "production")
 
@@ -206,7 +243,7 @@ def test_a_record_dated_in_the_future_does_not_count(registry, tmp_path):
 def test_with_a_signing_key_only_key_holders_can_vouch(registry, tmp_path):
     a, b = two_artifacts(registry, tmp_path)
     keyed = Registry(registry.store, signing_key="team-secret")
-    forger = Registry(registry.store)                                   # can write the store, has no key
+    forger = Registry(registry.store)  # can write the store, has no key
     forger.add_record(record(a))
     with pytest.raises(PromotionRefused, match="not signed: only a writer holding STRATA_REGISTRY_KEY"):
         keyed.promote(a, "production")
@@ -217,14 +254,17 @@ def test_with_a_signing_key_only_key_holders_can_vouch(registry, tmp_path):
     ptr = keyed.promote(b, "production")
     assert ptr.artifact_digest == b and ptr.record_digest == keyed.records(b, SERVING)[-1].digest
     key = f"records/{b}/{SERVING.key}/{ptr.record_digest}.json"
-    assert registry.store.get(key) is not None                          # the pointer names the record
+    assert registry.store.get(key) is not None  # the pointer names the record
 
 
 @pytest.mark.parametrize("channel", ["../x", "../records", "a/b", "Prod", "", "x" * 64, ".hidden"])
 def test_channel_names_that_could_escape_are_refused(registry, tmp_path, channel):
     a, _ = two_artifacts(registry, tmp_path)
-    for call in (lambda: registry.create_channel(channel, SERVING), lambda: registry.promote(a, channel),
-                 lambda: registry.pointer(channel)):
+    for call in (
+        lambda: registry.create_channel(channel, SERVING),
+        lambda: registry.promote(a, channel),
+        lambda: registry.pointer(channel),
+    ):
         with pytest.raises(ValueError, match="channel name .* is not allowed"):
             call()
     assert registry.channels() == ["production"]
@@ -233,8 +273,11 @@ def test_channel_names_that_could_escape_are_refused(registry, tmp_path, channel
 @pytest.mark.parametrize("bad", ["D/../D", "../" + "a" * 61, "A" * 64, "a" * 63, ""])
 def test_digests_that_are_not_digests_are_refused(registry, tmp_path, bad):
     two_artifacts(registry, tmp_path)
-    for call in (lambda: registry.promote(bad, "production"), lambda: registry.artifact(bad),
-                 lambda: registry.records(bad)):
+    for call in (
+        lambda: registry.promote(bad, "production"),
+        lambda: registry.artifact(bad),
+        lambda: registry.records(bad),
+    ):
         with pytest.raises(ValueError, match="is not a SHA-256 digest"):
             call()
     assert registry.pointer("production")[0] is None

@@ -26,17 +26,36 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def retrain_config(root, target, source, **over) -> RetrainConfig:
     raw = {
-        "name": "tiny", "target": {"path": str(target)}, "source": {"uri": str(source)},
-        "data_root": str(root / "data"), "registry": str(root / "registry"), "channel": "production",
+        "name": "tiny",
+        "target": {"path": str(target)},
+        "source": {"uri": str(source)},
+        "data_root": str(root / "data"),
+        "registry": str(root / "registry"),
+        "channel": "production",
         "use_ray": False,
-        "extract": {"capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
-                    "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"},
-                    "output": {"rows_per_shard": 16}, "fingerprint": {"probe_samples": 4}},
-        "train": {"draft_vocab_size": 4096, "ttt_steps": 2, "batch_tokens": 1024, "epochs": 1, "num_workers": 1,
-                  "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 1},
-                  "deepspeed": {"zero_stage": 1, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]}},
-        "validate": {"serving": {"engine": "vllm", "replay": "hf", "dtype": "float32"}, "acceptance_prompts": 1,
-                     "max_new_tokens": 8},
+        "extract": {
+            "capture": ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"],
+            "max_length": 256,
+            "engine": {"dtype": "float32", "device": "cpu"},
+            "output": {"rows_per_shard": 16},
+            "fingerprint": {"probe_samples": 4},
+        },
+        "train": {
+            "draft_vocab_size": 4096,
+            "ttt_steps": 2,
+            "batch_tokens": 1024,
+            "epochs": 1,
+            "num_workers": 1,
+            "eval_fraction": 0.1,
+            "optim": {"lr": 3e-3, "warmup_steps": 1},
+            "deepspeed": {"zero_stage": 1, "dtype": "float32"},
+            "export": {"dtype": "float32", "engines": ["vllm"]},
+        },
+        "validate": {
+            "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32"},
+            "acceptance_prompts": 1,
+            "max_new_tokens": 8,
+        },
         **over,
     }
     return RetrainConfig.model_validate(raw)
@@ -98,8 +117,9 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, c
     assert runs[1]["new_rows"] == 12 and runs[1]["warm_start_from"] == r1.artifact_digest
     # The same rows re-serialised (another writer: sorted keys, no spaces, raw UTF-8) are the same
     # data: nothing is new, nothing is extracted twice.
-    src.write_text("".join(json.dumps(r, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
-                           for r in convs[:62]))
+    src.write_text(
+        "".join(json.dumps(r, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n" for r in convs[:62])
+    )
     r3b = run_retrain(cfg, progress=False)
     assert r3b.outcome == "noop" and r3b.new_rows == 0 and r3b.extracted_rows == 0, r3b.message
 
@@ -108,9 +128,10 @@ def test_retrain_incremental_noop_and_warm_start(tiny_target, convs, tmp_path, c
     # capture points, so training still starts from the channel's draft.
     bf16 = cfg.model_copy(update={"extract": {**cfg.extract, "engine": {"dtype": "bfloat16", "device": "cpu"}}})
     r5 = run_retrain(bf16, progress=False)
-    assert r5.recipe_changes == [f"columns.{p}.dtype: float32 -> bfloat16" for p in sorted(
-        ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"])] + [
-        "extraction.engine.dtype: float32 -> bfloat16"]
+    assert r5.recipe_changes == [
+        f"columns.{p}.dtype: float32 -> bfloat16"
+        for p in sorted(["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"])
+    ] + ["extraction.engine.dtype: float32 -> bfloat16"]
     assert (r5.new_rows, r5.extracted_rows, r5.dataset_version) == (62, 62, 3)
     assert r5.warm_start_from == r2.artifact_digest and r5.outcome == "promoted", (r5.message, r5.reasons)
     m5 = load_manifest(versions.version_uri(lineage, 3))
@@ -150,16 +171,25 @@ def test_recipe_changes_name_the_engine_release(tiny_target):
     ident = target_identity(tiny_target)
 
     def col(version):
-        return TensorProvenance(capture_point=CapturePoint.layer_output(1), boundary="r_2", dtype="bfloat16",
-                                hidden_size=ident.hidden_size, encoding="raw", target_model=ident.model_name,
-                                target_key=ident.key, engine=EngineRef(name="vllm", version=version, native_id=2,
-                                                                       native_id_convention="vllm_aux_layer_id"))
+        return TensorProvenance(
+            capture_point=CapturePoint.layer_output(1),
+            boundary="r_2",
+            dtype="bfloat16",
+            hidden_size=ident.hidden_size,
+            encoding="raw",
+            target_model=ident.model_name,
+            target_key=ident.key,
+            engine=EngineRef(name="vllm", version=version, native_id=2, native_id_convention="vllm_aux_layer_id"),
+        )
+
     extraction = {"max_length": 256, "source": {"uri": "a.jsonl"}, "output": {"uri": "v1"}}
     old = versions.recipe(extraction, [col("0.32.0")])
     moved = versions.recipe({**extraction, "source": {"uri": "b.jsonl"}, "output": {"uri": "v2"}}, [col("0.32.0")])
     assert versions.recipe_changes(old, moved) == []  # where rows come from and go is not how they are made
     assert versions.recipe_changes(old, versions.recipe({**extraction, "max_length": 512}, [col("0.33.1")])) == [
-        "columns.layer_output:1.engine.version: 0.32.0 -> 0.33.1", "extraction.max_length: 256 -> 512"]
+        "columns.layer_output:1.engine.version: 0.32.0 -> 0.33.1",
+        "extraction.max_length: 256 -> 512",
+    ]
 
 
 def _lineage(cfg, target):
@@ -180,8 +210,17 @@ def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target)
     ident = target_identity(target)
     tcfg = json.loads((target / "config.json").read_text())
     draft = DraftConfig.from_target(tcfg, 3, min(4096, tcfg["vocab_size"]))
-    body = json.dumps(engine_config(draft, parse_points(["layer_output:1", "layer_output:2", "layer_output:3"]),
-                                    ident.num_layers, "vllm", "llama", "float32"), indent=1).encode()
+    body = json.dumps(
+        engine_config(
+            draft,
+            parse_points(["layer_output:1", "layer_output:2", "layer_output:3"]),
+            ident.num_layers,
+            "vllm",
+            "llama",
+            "float32",
+        ),
+        indent=1,
+    ).encode()
     reg.create_channel("production", deployment(cfg.validate_config("/unused"), body, ident.key, "llama"))
 
 
@@ -252,12 +291,31 @@ def test_second_scheduler_exits_naming_the_holder(tiny_target, convs, tmp_path, 
 
 def test_every_loop_stops_cleanly_on_sigterm(tmp_path, tiny_target):
     (tmp_path / "src.jsonl").write_text("")
-    cfg = {"target": {"path": str(tiny_target)}, "source": {"uri": str(tmp_path / "src.jsonl")},
-           "data_root": str(tmp_path / "data"), "registry": str(tmp_path / "reg"), "channel": "missing",
-           "validate": {"serving": {"engine": "vllm", "replay": "hf"}}}
+    cfg = {
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(tmp_path / "src.jsonl")},
+        "data_root": str(tmp_path / "data"),
+        "registry": str(tmp_path / "reg"),
+        "channel": "missing",
+        "validate": {"serving": {"engine": "vllm", "replay": "hf"}},
+    }
     (tmp_path / "r.yaml").write_text(json.dumps(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "retrain", "--config", str(tmp_path / "r.yaml"),
-                             "--every", "1s", "--no-progress"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "retrain",
+            "--config",
+            str(tmp_path / "r.yaml"),
+            "--every",
+            "1s",
+            "--no-progress",
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
@@ -279,5 +337,14 @@ def test_parse_every_and_config_errors(tmp_path):
     from schemas.config import ConfigError, validate_config
 
     with pytest.raises(ConfigError, match="section 'train'"):
-        validate_config({"target": {"path": "/t"}, "source": {"uri": "/s"}, "data_root": "/d", "registry": "/r",
-                         "channel": "c", "train": {"epochs": 0}}, RetrainConfig)
+        validate_config(
+            {
+                "target": {"path": "/t"},
+                "source": {"uri": "/s"},
+                "data_root": "/d",
+                "registry": "/r",
+                "channel": "c",
+                "train": {"epochs": 0},
+            },
+            RetrainConfig,
+        )

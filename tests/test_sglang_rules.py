@@ -27,8 +27,12 @@ lo, E = CapturePoint.layer_output, CapturePoint.embedding()
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 SGLANG_RELEASE = "0.5.23"
 WHEEL_DIR = Path(__file__).resolve().parents[1] / ".venv" / "share" / "strata-wheels"
-MODEL_FILES = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-               "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"), "gpt_oss": ("gpt_oss", "GptOssForCausalLM")}
+MODEL_FILES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "deepseek_v2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "gpt_oss": ("gpt_oss", "GptOssForCausalLM"),
+}
 
 
 def released_source(module: str) -> str:
@@ -56,8 +60,9 @@ def sglang_captures(ids: list[int] | None, family: str, n: int) -> list[int]:
     module, cls = MODEL_FILES[family]
     inner = SimpleNamespace(layers_to_capture=None)
     inner.set_eagle3_layers_to_capture = lambda ids: setattr(inner, "layers_to_capture", ids)
-    self = SimpleNamespace(pp_group=SimpleNamespace(is_last_rank=True), config=SimpleNamespace(num_hidden_layers=n),
-                           model=inner)
+    self = SimpleNamespace(
+        pp_group=SimpleNamespace(is_last_rank=True), config=SimpleNamespace(num_hidden_layers=n), model=inner
+    )
     ns: dict = {"Optional": Optional, "List": list}
     exec(released_method(module, cls, "set_eagle3_layers_to_capture"), ns)  # the released source, read as text
     ns["set_eagle3_layers_to_capture"](self, ids)
@@ -69,12 +74,12 @@ def test_sglang_layer_loop_captures_the_input_of_layer_i():
     ``layers_to_capture``, and the layer hands that request to its attention stage's
     ``prepare`` -- the stream entering the layer, before its attention runs -- so i means r_i."""
     model = released_method("llama", "LlamaModel", "forward")
-    loop = model[model.index("for i in range("):]
-    call = loop[loop.index("self.layers[i]("):]
+    loop = model[model.index("for i in range(") :]
+    call = loop[loop.index("self.layers[i](") :]
     assert "capture_output=aux_hidden_states.capture" in call and "if i in self.layers_to_capture" in call
     layer = released_method("llama", "LlamaDecoderLayer", "forward")
     prepare = layer.index("self.attn_boundary.prepare(")
-    assert "capture=capture_output" in layer[prepare:layer.index(")", prepare)]
+    assert "capture=capture_output" in layer[prepare : layer.index(")", prepare)]
     assert prepare < layer.index("self.self_attn(")
 
 
@@ -84,13 +89,16 @@ def draft(tiny_target):
     return Eagle3Draft(DraftConfig.from_target(tcfg, 3, tcfg["vocab_size"])), target_identity(tiny_target)
 
 
-@pytest.mark.parametrize("family, points, nested_ids", [
-    ("llama", [lo(1), lo(2), lo(3)], [1, 2, 3]),
-    ("qwen3", [lo(1), lo(2), lo(3)], [1, 2, 3]),
-    ("deepseek_v2", [lo(1), lo(2), lo(3)], [1, 2, 3]),       # first id 1: read as o-labels (+1)
-    ("deepseek_v2", [lo(2), lo(3), lo(4)], [3, 4, 5]),       # first id not 1: read as r-labels
-    ("gpt_oss", [lo(1), lo(2), lo(5)], [1, 2, 5]),           # o-labels also reach pre-norm r_N (>= 0.5.17)
-])
+@pytest.mark.parametrize(
+    "family, points, nested_ids",
+    [
+        ("llama", [lo(1), lo(2), lo(3)], [1, 2, 3]),
+        ("qwen3", [lo(1), lo(2), lo(3)], [1, 2, 3]),
+        ("deepseek_v2", [lo(1), lo(2), lo(3)], [1, 2, 3]),  # first id 1: read as o-labels (+1)
+        ("deepseek_v2", [lo(2), lo(3), lo(4)], [3, 4, 5]),  # first id not 1: read as r-labels
+        ("gpt_oss", [lo(1), lo(2), lo(5)], [1, 2, 5]),  # o-labels also reach pre-norm r_N (>= 0.5.17)
+    ],
+)
 def test_exported_config_is_read_by_sglang_as_intended(draft, tmp_path, family, points, nested_ids):
     model, ident = draft
     export_draft(model, tmp_path / "d", "sglang", points, ident, family=family, dtype="float32")

@@ -49,8 +49,12 @@ def test_acceptance_counters_that_do_not_reconcile_are_an_error():
     from pipeline.engines.sglang.engine import acceptance_from_meta
 
     # 1 prefill token + 4 verify steps accepting 0, 1, 2 and 3 drafts = 11 tokens
-    good = {"spec_verify_ct": 4, "spec_num_correct_drafts": 6, "completion_tokens": 11,
-            "spec_correct_drafts_histogram": [1, 1, 1, 1]}
+    good = {
+        "spec_verify_ct": 4,
+        "spec_num_correct_drafts": 6,
+        "completion_tokens": 11,
+        "spec_correct_drafts_histogram": [1, 1, 1, 1],
+    }
     acc = acceptance_from_meta([good], [list(range(11))], 3)
     assert acc["mean_acceptance_length"] == pytest.approx(1 + 6 / 4) and acc["acceptance_per_pos"] == [0.75, 0.5, 0.25]
     # the last step's drafts ran past max_new_tokens: fewer tokens than steps + drafts, by at most k
@@ -92,8 +96,11 @@ def running_servers() -> set[int]:
 @pytest.fixture(scope="session")
 def sglang_install():
     inst = sglang_server.find_install()
-    require("SGLang (its own environment)", inst is not None,
-            "bash infra/sglang/setup-sglang-cpu.sh .venv-sglang ../shared/vendor, as .ci/setup does")
+    require(
+        "SGLang (its own environment)",
+        inst is not None,
+        "bash infra/sglang/setup-sglang-cpu.sh .venv-sglang ../shared/vendor, as .ci/setup does",
+    )
     assert inst.version == RELEASE, f"the SGLang environment has {inst.version}; these tests are for {RELEASE}"
     return inst
 
@@ -108,18 +115,41 @@ def _train_draft(target: Path, root: Path, n_conv: int = 80, release: str = RELE
     from schemas.train import TrainConfig
 
     write_conversations(root / "conv.jsonl", n=n_conv)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": [*map(str, TRAINED), "final:post_norm"], "max_length": 192,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 4}}),
-        progress=False, use_ray=False)
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 1024, "ttt_steps": 2, "batch_tokens": 1024, "epochs": 2, "num_workers": 1,
-        "eval_fraction": 0.1, "optim": {"lr": 3e-3, "warmup_steps": 2}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "heldout_acceptance": {"prompts": 0},
-        "export": {"dtype": "bfloat16", "engines": ["sglang", "vllm"], "engine_versions": {"sglang": release}}}),
-        use_ray=False)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "capture": [*map(str, TRAINED), "final:post_norm"],
+                "max_length": 192,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 4},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds"),
+                "target": {"path": str(target)},
+                "output": str(root / "run"),
+                "draft_vocab_size": 1024,
+                "ttt_steps": 2,
+                "batch_tokens": 1024,
+                "epochs": 2,
+                "num_workers": 1,
+                "eval_fraction": 0.1,
+                "optim": {"lr": 3e-3, "warmup_steps": 2},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "heldout_acceptance": {"prompts": 0},
+                "export": {"dtype": "bfloat16", "engines": ["sglang", "vllm"], "engine_versions": {"sglang": release}},
+            }
+        ),
+        use_ray=False,
+    )
     return root / "run" / "export" / "sglang"
 
 
@@ -130,16 +160,22 @@ class Target:
         from pipeline.demo.tiny import make_tiny_target
         from pipeline.validate.replay import open_replay_engine
 
-        self.dir = make_tiny_target(root / arch, num_layers=LAYERS, hidden_size=128 if arch == "deepseek_v3" else 64,
-                                    arch=arch)
+        self.dir = make_tiny_target(
+            root / arch, num_layers=LAYERS, hidden_size=128 if arch == "deepseek_v3" else 64, arch=arch
+        )
         self.art = _train_draft(self.dir, root / f"{arch}-draft")
         self.engine, _ = open_replay_engine(self.cfg(), LAYERS)
 
     def cfg(self, ids: list[int] | None = ..., **extra):  # type: ignore[assignment]
         from schemas.validation import ValidateConfig
 
-        serving = {"engine": "sglang", "replay": "engine", "engine_version": RELEASE, "dtype": "bfloat16",
-                   "target": {"path": str(self.dir)}}
+        serving = {
+            "engine": "sglang",
+            "replay": "engine",
+            "engine_version": RELEASE,
+            "dtype": "bfloat16",
+            "target": {"path": str(self.dir)},
+        }
         if ids is not ...:
             cfg = json.loads((self.art / "config.json").read_text())
             if ids is None:
@@ -149,8 +185,16 @@ class Target:
             served = self.art.parent / f"served-{'none' if ids is None else '_'.join(map(str, ids))}.json"
             served.write_text(json.dumps(cfg))
             serving["draft_config"] = str(served)
-        return ValidateConfig.model_validate({"artifact": str(self.art), "serving": serving, "cost": False,
-                                              "acceptance_prompts": 2, "max_new_tokens": 12, **extra})
+        return ValidateConfig.model_validate(
+            {
+                "artifact": str(self.art),
+                "serving": serving,
+                "cost": False,
+                "acceptance_prompts": 2,
+                "max_new_tokens": 12,
+                **extra,
+            }
+        )
 
     def validate(self, ids=...):
         from pipeline.validate.job import decide, load_case
@@ -282,10 +326,13 @@ def test_llama_correct_ids_pass_on_the_measured_feed(llama, chapter):
     assert acc["lossless"] or "lossless_note" in acc  # reported; gated only at fp32, which SGLang's CPU path lacks
 
 
-@pytest.mark.parametrize("name, ids, fed", [  # every id +1: the demo chapter's copied ids (below)
-    ("every id -1", [0, 2, 4], [1, 3, 5]),
-    ("the nested key missing: SGLang's default loop indices (2, N//2, N-3)", None, [2, 4, 5]),
-])
+@pytest.mark.parametrize(
+    "name, ids, fed",
+    [  # every id +1: the demo chapter's copied ids (below)
+        ("every id -1", [0, 2, 4], [1, 3, 5]),
+        ("the nested key missing: SGLang's default loop indices (2, N//2, N-3)", None, [2, 4, 5]),
+    ],
+)
 def test_llama_misconfigurations_are_blocked_by_the_measurement_with_the_fix(llama, name, ids, fed):
     r = llama.validate(ids)
     assert r.decision == "block", name
@@ -305,8 +352,9 @@ def test_without_a_rule_for_the_installed_release_the_measurement_decides(llama,
     from pipeline.validate.job import decide, load_case
     from pipeline.validate.replay import open_replay_engine
 
-    monkeypatch.setattr(releases, "RULES", tuple(x for x in releases.RULES if not (
-        x.engine == "sglang" and x.covers(RELEASE))))
+    monkeypatch.setattr(
+        releases, "RULES", tuple(x for x in releases.RULES if not (x.engine == "sglang" and x.covers(RELEASE)))
+    )
     engine, owned = open_replay_engine(llama.cfg(), LAYERS)
     try:
         assert owned and isinstance(engine.reference, HFEngine) and engine.process_groups == []
@@ -362,8 +410,9 @@ def test_deepseek_missing_nested_key_falls_back_to_the_default_and_is_blocked(de
     assert any("silently uses its default" in x for x in r.reasons), r.reasons
 
 
-def test_regeneration_through_sglang_writes_the_targets_greedy_answers(sglang_install, tiny_target, conversations,
-                                                                       tmp_path):
+def test_regeneration_through_sglang_writes_the_targets_greedy_answers(
+    sglang_install, tiny_target, conversations, tmp_path
+):
     """``strata regenerate`` with ``engine.name: sglang`` (a plain SGLang server for the target,
     gone when the job ends: the autouse check): the release in the record, the counts HF's run
     has. Every token SGLang picks is HF fp32's argmax or within bf16 rounding of it (teacher-forced
@@ -377,10 +426,20 @@ def test_regeneration_through_sglang_writes_the_targets_greedy_answers(sglang_in
     from schemas.regenerate import GenerateEngineConfig, RegenerateConfig, SamplingConfig
 
     def regenerate(name: str, engine: dict):
-        return run_regenerate(RegenerateConfig.model_validate({
-            "target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)},
-            "output": {"uri": str(tmp_path / name), "rows_per_unit": 8}, "engine": engine, "max_new_tokens": 12,
-            "max_length": 512}), progress=False, use_ray=False)
+        return run_regenerate(
+            RegenerateConfig.model_validate(
+                {
+                    "target": {"path": str(tiny_target)},
+                    "source": {"uri": str(conversations)},
+                    "output": {"uri": str(tmp_path / name), "rows_per_unit": 8},
+                    "engine": engine,
+                    "max_new_tokens": 12,
+                    "max_length": 512,
+                }
+            ),
+            progress=False,
+            use_ray=False,
+        )
 
     got = regenerate("sglang", {"name": "sglang", "dtype": "bfloat16", "max_model_len": 1024})
     ref = regenerate("hf", {"name": "hf", "dtype": "float32", "device": "cpu"})
@@ -394,7 +453,7 @@ def test_regeneration_through_sglang_writes_the_targets_greedy_answers(sglang_in
     prompts = []
     for line in conversations.read_text().splitlines():
         m = parse_row(line.encode()).messages
-        prompts.append(enc.encode_prompt(m[:next(j for j, x in enumerate(m) if x["role"] == "assistant")]))
+        prompts.append(enc.encode_prompt(m[: next(j for j, x in enumerate(m) if x["role"] == "assistant")]))
     gen = SGLangGenerator(tiny_target, GenerateEngineConfig(name="sglang", dtype="bfloat16", max_model_len=1024))
     try:
         outs = gen.generate(prompts, 12, SamplingConfig(), [0] * len(prompts))
@@ -404,10 +463,12 @@ def test_regeneration_through_sglang_writes_the_targets_greedy_answers(sglang_in
     gaps = []
     for p, o in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            logits = model(torch.tensor([p + o])).logits[0, len(p) - 1:-1]
+            logits = model(torch.tensor([p + o])).logits[0, len(p) - 1 : -1]
         gaps += (logits.max(-1).values - logits.gather(1, torch.tensor(o)[:, None])[:, 0]).tolist()
     # measured: 10 of 480 tokens not the argmax, at most 0.10 below it (logits' std ~4)
-    assert len(gaps) >= len(prompts) and max(gaps) < 0.3 and sum(g > 0 for g in gaps) <= 0.05 * len(gaps), sorted(gaps)[-12:]
+    assert len(gaps) >= len(prompts) and max(gaps) < 0.3 and sum(g > 0 for g in gaps) <= 0.05 * len(gaps), sorted(gaps)[
+        -12:
+    ]
 
 
 def test_fp32_on_cpu_is_refused_with_what_to_set(llama):
@@ -416,8 +477,10 @@ def test_fp32_on_cpu_is_refused_with_what_to_set(llama):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="CUDA SGLang with CUDA graphs: run `pytest -m gpu` on a GPU cluster with sglang installed")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="CUDA SGLang with CUDA graphs: run `pytest -m gpu` on a GPU cluster with sglang installed",
+)
 def test_gpu_sglang_with_cuda_graphs_measures_the_feed_and_says_how_many_verify_rows(tmp_path):
     """On a GPU, draft steps replayed from CUDA graphs run no Python: the recorder sees prefill and
     eager steps only, and the report says how many verify rows it recorded."""
@@ -429,9 +492,21 @@ def test_gpu_sglang_with_cuda_graphs_measures_the_feed_and_says_how_many_verify_
     require("SGLang", inst is not None, f"install sglang or set ${sglang_server.PYTHON_ENV}")
     target = make_tiny_target(tmp_path / "t", num_layers=LAYERS, hidden_size=128)
     art = _train_draft(target, tmp_path / "d", release=inst.version)
-    r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": 4, "cost": False,
-        "serving": {"engine": "sglang", "replay": "engine", "dtype": "bfloat16", "target": {"path": str(target)}}}))
+    r = run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(art),
+                "acceptance_prompts": 4,
+                "cost": False,
+                "serving": {
+                    "engine": "sglang",
+                    "replay": "engine",
+                    "dtype": "bfloat16",
+                    "target": {"path": str(target)},
+                },
+            }
+        )
+    )
     print("SGLang recorded draft-input rows:", r.feed["recorded_rows"])
     assert r.decision == "pass", r.reasons
     assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == [], r.feed
@@ -473,20 +548,33 @@ def test_extraction_through_sglang_carries_its_native_ids_and_matches_hf(deepsee
     write_conversations(tmp_path / "conv.jsonl", n=6)
 
     def extract(engine: str) -> DatasetReader:
-        run_extract(ExtractConfig.model_validate({
-            "target": {"path": str(deepseek.dir)}, "source": {"uri": str(tmp_path / "conv.jsonl")},
-            "output": {"uri": str(tmp_path / engine)}, "capture": ["layer_output:1", "layer_output:4"],
-            "max_length": 128, "engine": {"name": engine, "dtype": "bfloat16", "device": "cpu"},
-            "fingerprint": {"probe_samples": 0}}), progress=False, use_ray=False)
+        run_extract(
+            ExtractConfig.model_validate(
+                {
+                    "target": {"path": str(deepseek.dir)},
+                    "source": {"uri": str(tmp_path / "conv.jsonl")},
+                    "output": {"uri": str(tmp_path / engine)},
+                    "capture": ["layer_output:1", "layer_output:4"],
+                    "max_length": 128,
+                    "engine": {"name": engine, "dtype": "bfloat16", "device": "cpu"},
+                    "fingerprint": {"probe_samples": 0},
+                }
+            ),
+            progress=False,
+            use_ray=False,
+        )
         return DatasetReader(str(tmp_path / engine))
 
     sr, hr = extract("sglang"), extract("hf")
     prov = {str(p): sr.provenance(p) for p in sr.points}
     assert {k: (v.engine.name, v.engine.version, v.boundary) for k, v in prov.items()} == {
-        "layer_output:1": ("sglang", RELEASE, "r_2"), "layer_output:4": ("sglang", RELEASE, "r_5")}
+        "layer_output:1": ("sglang", RELEASE, "r_2"),
+        "layer_output:4": ("sglang", RELEASE, "r_5"),
+    }
     for k, p in (("layer_output:1", lo(1)), ("layer_output:4", lo(4))):  # each id, read alone, names its point
-        assert conventions.points_read_from([prov[k].engine.native_id], "sglang", LAYERS, "deepseek_v2",
-                                            release=RELEASE) == [p]
+        assert conventions.points_read_from(
+            [prov[k].engine.native_id], "sglang", LAYERS, "deepseek_v2", release=RELEASE
+        ) == [p]
     hf = {s.sample_id: s for s in hr.iter_samples()}
     n = 0
     for s in sr.iter_samples():

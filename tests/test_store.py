@@ -25,12 +25,18 @@ POINTS = ["layer_output:1", "layer_output:2", "final:post_norm"]
 
 
 def extract(tiny_target, conversations, uri, dtype="float32", points=POINTS, **extra):
-    cfg = ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)},
-        "output": {"uri": uri, "rows_per_shard": 16}, "capture": points, "max_length": 128,
-        # batch_tokens=1: one sequence per forward, so a recomputation is bit-identical.
-        "engine": {"dtype": dtype, "device": "cpu", "batch_tokens": 1}, **extra,
-    })
+    cfg = ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": str(conversations)},
+            "output": {"uri": uri, "rows_per_shard": 16},
+            "capture": points,
+            "max_length": 128,
+            # batch_tokens=1: one sequence per forward, so a recomputation is bit-identical.
+            "engine": {"dtype": dtype, "device": "cpu", "batch_tokens": 1},
+            **extra,
+        }
+    )
     return cfg, run_extract(cfg, progress=False, use_ray=False)
 
 
@@ -40,8 +46,14 @@ def assert_bit_exact(reader, tiny_target, dtype):
     for s in reader.iter_samples():
         b = eng.capture([s.input_ids.tolist()])
         for p in reader.points:
-            want = split_planes(torch.from_numpy(b.planes[p]).permute(1, 2, 0).contiguous().view(torch.uint8).flatten(1).view(
-                {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]))
+            want = split_planes(
+                torch.from_numpy(b.planes[p])
+                .permute(1, 2, 0)
+                .contiguous()
+                .view(torch.uint8)
+                .flatten(1)
+                .view({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
+            )
             got = split_planes(s.tensors[p])
             assert torch.equal(got, want), f"{s.sample_id} {p}"
         n += 1
@@ -89,9 +101,16 @@ def test_bf16_compresses_below_072(tiny_target, tmp_path):
     H, T = 4096, 256
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(T, H, generator=g) * torch.exp(torch.randn(H, generator=g) * 0.7)).to(torch.bfloat16)
-    prov = TensorProvenance(capture_point=C.layer_output(1), boundary="r_2", dtype="bfloat16", hidden_size=H,
-                            encoding="byte_planes_v1", engine=EngineRef(name="hf", version="x", native_id=2,
-                            native_id_convention="hf_hidden_states_index"), target_model="t", target_key="k")
+    prov = TensorProvenance(
+        capture_point=C.layer_output(1),
+        boundary="r_2",
+        dtype="bfloat16",
+        hidden_size=H,
+        encoding="byte_planes_v1",
+        engine=EngineRef(name="hf", version="x", native_id=2, native_id_convention="hf_hidden_states_index"),
+        target_model="t",
+        target_key="k",
+    )
     schema = dataset_schema([prov], "{}", "{}", {})
     fs, path = resolve(str(tmp_path / "s.parquet"))
     w = ShardWriter(fs, path, schema)
@@ -106,9 +125,16 @@ def test_parallel_writer_threads_write_the_same_shard(tmp_path):
     and the unit's commit record) is byte-identical to a single thread's."""
     H, B = 512, 6
     g = torch.Generator().manual_seed(1)
-    prov = TensorProvenance(capture_point=C.layer_output(1), boundary="r_2", dtype="bfloat16", hidden_size=H,
-                            encoding="byte_planes_v1", engine=EngineRef(name="hf", version="x", native_id=2,
-                            native_id_convention="hf_hidden_states_index"), target_model="t", target_key="k")
+    prov = TensorProvenance(
+        capture_point=C.layer_output(1),
+        boundary="r_2",
+        dtype="bfloat16",
+        hidden_size=H,
+        encoding="byte_planes_v1",
+        engine=EngineRef(name="hf", version="x", native_id=2, native_id_convention="hf_hidden_states_index"),
+        target_model="t",
+        target_key="k",
+    )
     schema = dataset_schema([prov], "{}", "{}", {})
     lengths = [37, 5, 120, 64, 9, 80]
     metas = [SampleMeta(f"s{i}", "src", i, "c", list(range(n)), [1] * n) for i, n in enumerate(lengths)]
@@ -135,22 +161,33 @@ def test_writer_threads_default_from_the_actors_cpus():
 
 
 def test_uncommitted_shard_is_invisible(tiny_target, tmp_path):
-    prov = TensorProvenance(capture_point=C.layer_output(1), boundary="r_2", dtype="float32", hidden_size=8,
-                            encoding="byte_planes_v1", engine=EngineRef(name="hf", version="x", native_id=2,
-                            native_id_convention="hf_hidden_states_index"), target_model="t", target_key="k")
+    prov = TensorProvenance(
+        capture_point=C.layer_output(1),
+        boundary="r_2",
+        dtype="float32",
+        hidden_size=8,
+        encoding="byte_planes_v1",
+        engine=EngineRef(name="hf", version="x", native_id=2, native_id_convention="hf_hidden_states_index"),
+        target_model="t",
+        target_key="k",
+    )
     schema = dataset_schema([prov], "{}", "{}", {})
     assert schema.field("layer_output:1#b3").metadata[META_CODEC] == b"zstd"
     assert META_PROVENANCE in schema.field("layer_output:1#b0").metadata
     fs, path = resolve(str(tmp_path / "shards" / "part-00000.parquet"))
     w = ShardWriter(fs, path, schema)
-    w.write([SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])],
-            [2], {"layer_output:1": split_planes(torch.randn(2, 8)).numpy()})
-    assert not (tmp_path / "shards" / "part-00000.parquet").exists()   # only a dot-temp exists
+    w.write(
+        [SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])],
+        [2],
+        {"layer_output:1": split_planes(torch.randn(2, 8)).numpy()},
+    )
+    assert not (tmp_path / "shards" / "part-00000.parquet").exists()  # only a dot-temp exists
     w.abort()
     assert list((tmp_path / "shards").iterdir()) == []
     with pytest.raises(ValueError, match="expected byte planes of shape"):
-        ShardWriter(fs, path, schema).write([SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])],
-                                            [2], {"layer_output:1": np.zeros((4, 3, 8), np.uint8)})
+        ShardWriter(fs, path, schema).write(
+            [SampleMeta("s", "src", 0, "c", [1, 2], [0, 1])], [2], {"layer_output:1": np.zeros((4, 3, 8), np.uint8)}
+        )
 
 
 def test_reader_refuses_other_target_naming_both(tiny_target, conversations, tmp_path):
@@ -211,19 +248,29 @@ def test_a_manifest_listing_one_file_twice_is_refused(tiny_target, conversations
 def test_s3_round_trip_is_bit_exact(tiny_target, conversations, s3_server):
     uri = f"s3://{s3_server['bucket']}/datasets/tiny-bf16"
     cfg, m = extract(tiny_target, conversations, uri, dtype="bfloat16", s3={"endpoint_url": s3_server["endpoint"]})
-    keys = [o["Key"] for o in s3_server["client"].list_objects_v2(Bucket=s3_server["bucket"], Prefix="datasets/tiny-bf16/")["Contents"]]
+    keys = [
+        o["Key"]
+        for o in s3_server["client"].list_objects_v2(Bucket=s3_server["bucket"], Prefix="datasets/tiny-bf16/")[
+            "Contents"
+        ]
+    ]
     assert "datasets/tiny-bf16/manifest.json" in keys
     assert sum(k.endswith(".parquet") for k in keys) == m.totals.shards
     assert not any(".tmp-" in k for k in keys)
     r = DatasetReader(uri, s3=cfg.s3, expect_target=target_identity(tiny_target))
     assert assert_bit_exact(r, tiny_target, "bfloat16") == m.totals.rows
     # A manifest never carries credentials.
-    body = s3_server["client"].get_object(Bucket=s3_server["bucket"], Key="datasets/tiny-bf16/manifest.json")["Body"].read()
+    body = (
+        s3_server["client"]
+        .get_object(Bucket=s3_server["bucket"], Key="datasets/tiny-bf16/manifest.json")["Body"]
+        .read()
+    )
     assert b"strata-test-secret" not in body
 
 
-def test_inspect_verify_catches_flipped_truncated_deleted_shards_and_bad_totals(tiny_target, conversations, tmp_path,
-                                                                               capsys):
+def test_inspect_verify_catches_flipped_truncated_deleted_shards_and_bad_totals(
+    tiny_target, conversations, tmp_path, capsys
+):
     from pipeline.cli import main as strata
     from schemas.manifest import MANIFEST_NAME, DatasetManifest
 

@@ -34,11 +34,17 @@ AUX = ["layer_output:1", "layer_output:2", "layer_output:3"]
 
 
 def extract(tiny_target, src, out, points=(*AUX, "final:post_norm"), n_rows=None):
-    cfg = ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(src)}, "output": {"uri": str(out), "rows_per_shard": 32},
-        "capture": list(points), "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"},
-        "fingerprint": {"probe_samples": 16},
-    })
+    cfg = ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": str(src)},
+            "output": {"uri": str(out), "rows_per_shard": 32},
+            "capture": list(points),
+            "max_length": 256,
+            "engine": {"dtype": "float32", "device": "cpu"},
+            "fingerprint": {"probe_samples": 16},
+        }
+    )
     return run_extract(cfg, progress=False, use_ray=False)
 
 
@@ -54,11 +60,21 @@ def dataset(tiny_target, tmp_path_factory):
 
 def train_cfg(tiny_target, dataset, out, **kw) -> dict:
     cfg = {
-        "dataset": str(dataset), "target": {"path": str(tiny_target)}, "output": str(out),
+        "dataset": str(dataset),
+        "target": {"path": str(tiny_target)},
+        "output": str(out),
         # A random-weight target's greedy tokens are not the data's frequent tokens: keep them all.
-        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 1024, "epochs": 8, "metrics_every": 4,
-        "checkpoint_every": 6, "eval_fraction": 0.1, "num_workers": 2, "cpus_per_worker": 0.5,
-        "optim": {"lr": 3e-3, "warmup_steps": 3}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "draft_vocab_size": 4096,
+        "ttt_steps": 3,
+        "batch_tokens": 1024,
+        "epochs": 8,
+        "metrics_every": 4,
+        "checkpoint_every": 6,
+        "eval_fraction": 0.1,
+        "num_workers": 2,
+        "cpus_per_worker": 0.5,
+        "optim": {"lr": 3e-3, "warmup_steps": 3},
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"},
         "heldout_acceptance": {"prompts": 8},  # not what these tests check: kept cheap
     }
     for k, v in kw.items():
@@ -92,7 +108,9 @@ def test_zero2_on_two_workers_trains_and_loss_falls(trained):
     steps = result["metrics"]["steps"]
     saved = sorted({*range(6, steps + 1, 6), steps})  # checkpoint.every: 6, and one at the end
     assert len(saved) > 3  # so the default checkpoint.keep (3) has pruned the oldest
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [f"step-{s:06d}" for s in saved[-3:]]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == [
+        f"step-{s:06d}" for s in saved[-3:]
+    ]
     # Where the job's time went: disjoint stages inside the total, the same record on disk.
     sec = result["seconds"]
     assert list(sec) == ["ray_start", "prepare", "fit", "heldout_acceptance", "export", "total"]
@@ -112,7 +130,14 @@ def test_exports_carry_ids_from_provenance_and_decode_losslessly(trained, tiny_t
     assert manifest["aux_capture_points"] == [C.parse(p).model_dump() for p in AUX]
     assert manifest["dataset_id"] and manifest["dataset_manifest_sha256"] and manifest["metrics"]["steps"] > 0
     # Exported weights == the final checkpoint's weights, bit for bit (float32 export of a float32 run).
-    ck = load_file(str(out / "checkpoints" / json.loads((out / "checkpoints/latest.json").read_text())["checkpoint"] / "model.safetensors"))
+    ck = load_file(
+        str(
+            out
+            / "checkpoints"
+            / json.loads((out / "checkpoints/latest.json").read_text())["checkpoint"]
+            / "model.safetensors"
+        )
+    )
     draft = load_draft(out / "export" / "vllm", tiny_target)
     for k, v in draft.state_dict().items():
         if k in ck and v.is_floating_point():
@@ -176,7 +201,9 @@ def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dat
     kw = dict(epochs=2, max_steps=8, checkpoint_every=4, metrics_every=2, eval_fraction=0.0)  # 5 steps per epoch
     straight = run_job(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, ray_cluster)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    killed_at = kill_after_first_checkpoint(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
+    killed_at = kill_after_first_checkpoint(
+        train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster
+    )
     assert killed_at == 4
     resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -225,7 +252,9 @@ def test_refuses_other_target(tiny_target, dataset, tmp_path):
     from pipeline.demo.tiny import make_tiny_target
 
     other = make_tiny_target(tmp_path / "other", num_layers=6, hidden_size=64, seed=7)
-    cfg = TrainConfig.model_validate({**train_cfg(tiny_target, dataset, tmp_path / "run"), "target": {"path": str(other)}})
+    cfg = TrainConfig.model_validate(
+        {**train_cfg(tiny_target, dataset, tmp_path / "run"), "target": {"path": str(other)}}
+    )
     with pytest.raises(ProvenanceMismatch, match="weights"):
         prepare(cfg)
 
@@ -249,7 +278,12 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
     from pipeline.data.stdlib import write_conversations
 
     write_conversations(src, n=160)
-    other = extract(tiny_target, src, tmp_path / "other", points=("layer_output:0", "layer_output:2", "layer_output:4", "final:post_norm"))
+    other = extract(
+        tiny_target,
+        src,
+        tmp_path / "other",
+        points=("layer_output:0", "layer_output:2", "layer_output:4", "final:post_norm"),
+    )
     victim = sorted((ds / "shards").glob("*.parquet"))[0]
     shutil.copy(tmp_path / "other" / other.shards[0].path, victim)
     m = json.loads((ds / "manifest.json").read_text())
@@ -264,8 +298,7 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
 
 
 @pytest.mark.parametrize("stage, dtype", [(1, "bfloat16"), (3, "float32"), (3, "bfloat16")])
-def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset, tmp_path, stage, dtype,
-                                                            monkeypatch):
+def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset, tmp_path, stage, dtype, monkeypatch):
     """One in-process worker: every ZeRO stage and dtype trains, checkpoints and resumes --
     and leaves nothing behind in the temp directory (checkpoints are (de)serialized in memory)."""
     import tempfile
@@ -275,8 +308,18 @@ def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset
     scratch = tmp_path / "scratch-tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    base = train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, epochs=1, max_steps=2, checkpoint_every=1,
-                     metrics_every=1, eval_fraction=0.0, deepspeed={"zero_stage": stage, "dtype": dtype})
+    base = train_cfg(
+        tiny_target,
+        dataset,
+        tmp_path / "run",
+        num_workers=1,
+        epochs=1,
+        max_steps=2,
+        checkpoint_every=1,
+        metrics_every=1,
+        eval_fraction=0.0,
+        deepspeed={"zero_stage": stage, "dtype": dtype},
+    )
     first = run_train(TrainConfig.model_validate(base), use_ray=False)
     assert first["metrics"]["steps"] == 2 and checkpoint.latest(str(tmp_path / "run"), None) == "step-000002"
     w2 = load_file(str(tmp_path / "run/checkpoints/step-000002/model.safetensors"))
@@ -292,12 +335,31 @@ def test_zero_stages_and_dtypes_train_checkpoint_and_resume(tiny_target, dataset
 @pytest.mark.s3
 def test_checkpoints_and_exports_go_to_s3(tiny_target, dataset, s3_server, tmp_path):
     uri = f"s3://{s3_server['bucket']}/runs/tiny"
-    cfg = train_cfg(tiny_target, dataset, uri, num_workers=1, epochs=1, max_steps=2, checkpoint_every=1,
-                    eval_fraction=0.0, s3={"endpoint_url": s3_server["endpoint"]})
+    cfg = train_cfg(
+        tiny_target,
+        dataset,
+        uri,
+        num_workers=1,
+        epochs=1,
+        max_steps=2,
+        checkpoint_every=1,
+        eval_fraction=0.0,
+        s3={"endpoint_url": s3_server["endpoint"]},
+    )
     run_train(TrainConfig.model_validate(cfg), use_ray=False)
-    keys = {o["Key"] for o in s3_server["client"].list_objects_v2(Bucket=s3_server["bucket"], Prefix="runs/tiny/")["Contents"]}
-    for k in ("checkpoints/latest.json", "checkpoints/step-000002/model.safetensors", "checkpoints/step-000002/rank-0.safetensors",
-              "metrics.jsonl", "run.json", "export/sglang/config.json", "export/vllm/strata_artifact.json"):
+    keys = {
+        o["Key"]
+        for o in s3_server["client"].list_objects_v2(Bucket=s3_server["bucket"], Prefix="runs/tiny/")["Contents"]
+    }
+    for k in (
+        "checkpoints/latest.json",
+        "checkpoints/step-000002/model.safetensors",
+        "checkpoints/step-000002/rank-0.safetensors",
+        "metrics.jsonl",
+        "run.json",
+        "export/sglang/config.json",
+        "export/vllm/strata_artifact.json",
+    ):
         assert f"runs/tiny/{k}" in keys, k
     for k in keys:  # no credentials anywhere
         body = s3_server["client"].get_object(Bucket=s3_server["bucket"], Key=k)["Body"].read()
@@ -308,14 +370,30 @@ def test_strata_export_cli(tiny_target, dataset, tmp_path, capsys):
     from pipeline.cli import main as strata
 
     run = tmp_path / "run"
-    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, run, num_workers=1, epochs=1, max_steps=1,
-                                                   eval_fraction=0.0, export={"engines": ["vllm"]})), use_ray=False)
+    run_train(
+        TrainConfig.model_validate(
+            train_cfg(
+                tiny_target,
+                dataset,
+                run,
+                num_workers=1,
+                epochs=1,
+                max_steps=1,
+                eval_fraction=0.0,
+                export={"engines": ["vllm"]},
+            )
+        ),
+        use_ray=False,
+    )
     assert strata(["export", str(run), "--engine", "sglang", "--out", str(tmp_path / "out"), "--dtype", "float32"]) == 0
     assert "sglang: aux ids [1, 2, 3] (sglang_llama_aux_layer_id)" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "out/sglang/config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and cfg["torch_dtype"] == "float32"
     # Other SGLang capture rules get their own ids for the same tensors.
-    assert strata(["export", str(run), "--engine", "sglang", "--sglang-family", "gpt_oss", "--out", str(tmp_path / "g")]) == 0
+    assert (
+        strata(["export", str(run), "--engine", "sglang", "--sglang-family", "gpt_oss", "--out", str(tmp_path / "g")])
+        == 0
+    )
     assert "sglang: aux ids [1, 2, 3] (sglang_gpt_oss_aux_layer_id)" in capsys.readouterr().out
     assert strata(["export", str(tmp_path / "nowhere")]) == 2
     assert "no run.json" in capsys.readouterr().err
@@ -326,8 +404,12 @@ def test_exported_artifact_carries_the_dataset_fingerprints(tiny_target, dataset
     from pipeline.store.reader import load_manifest
 
     run = tmp_path / "run"
-    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, run, num_workers=1, epochs=1, max_steps=1,
-                                                   eval_fraction=0.0)), use_ray=False)
+    run_train(
+        TrainConfig.model_validate(
+            train_cfg(tiny_target, dataset, run, num_workers=1, epochs=1, max_steps=1, eval_fraction=0.0)
+        ),
+        use_ray=False,
+    )
     ds_fp = load_manifest(str(dataset)).fingerprints
     art = json.loads((run / "export/sglang/strata_artifact.json").read_text())
     assert art["fingerprints"]["sha256"] == ds_fp["sha256"] and art["fingerprints"]["probe_samples"] == 16
@@ -349,12 +431,23 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
     reader = DatasetReader(str(dataset))
     probes = frozenset(Fingerprints.load(str(dataset), name=reader.manifest.fingerprints["path"]).sample_ids)
     train, _ = split_eval(index_samples(reader), 0.0, probes)  # what training will train on
-    bt = next(b for b in range(600, 4000, 40)
-              if len(plan_epoch(train, b, 1, 0, 0)) > len(plan_epoch(train, b, 1, 0, 1)))
+    bt = next(
+        b for b in range(600, 4000, 40) if len(plan_epoch(train, b, 1, 0, 0)) > len(plan_epoch(train, b, 1, 0, 1))
+    )
     lens = [len(plan_epoch(train, bt, 1, 0, e)) for e in (0, 1)]
-    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, epochs=2,
-                                               batch_tokens=bt, eval_fraction=0.0, checkpoint_every=1000,
-                                               heldout_acceptance={"prompts": 0}))
+    cfg = TrainConfig.model_validate(
+        train_cfg(
+            tiny_target,
+            dataset,
+            tmp_path / "run",
+            num_workers=1,
+            epochs=2,
+            batch_tokens=bt,
+            eval_fraction=0.0,
+            checkpoint_every=1000,
+            heldout_acceptance={"prompts": 0},
+        )
+    )
     result = run_train(cfg, use_ray=False)
     assert result["metrics"]["steps"] == sum(lens), (lens, result["metrics"]["steps"])
     assert result["metrics"]["train"]["epoch"] == 1
@@ -367,18 +460,22 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
     import ray
 
     cpus = ray.cluster_resources()["CPU"]
-    for kw, needle in [({"cpus_per_worker": cpus, "data_loading": "ray_data"}, r"CPU for the data decode tasks .* but "),
-                       ({"cpus_per_worker": cpus + 1}, rf"1 workers x cpus_per_worker {cpus + 1:g} .* but ")]:
-        cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
-                                                   resource_wait_s=0, **kw))
+    for kw, needle in [
+        ({"cpus_per_worker": cpus, "data_loading": "ray_data"}, r"CPU for the data decode tasks .* but "),
+        ({"cpus_per_worker": cpus + 1}, rf"1 workers x cpus_per_worker {cpus + 1:g} .* but "),
+    ]:
+        cfg = TrainConfig.model_validate(
+            train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, resource_wait_s=0, **kw)
+        )
         with pytest.raises(ValueError, match=needle + "the Ray cluster has"):
             run_train(cfg)
         assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
 @pytest.mark.ray
-def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(ray_connected, tiny_target, dataset,
-                                                                             tmp_path):
+def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(
+    ray_connected, tiny_target, dataset, tmp_path
+):
     """The up-front check counts the cluster's CPUs, not who holds them: another job's actor that
     takes them all leaves Ray Train waiting for its worker group, retrying forever by default.
     The job gives up after stall_timeout_s and says what to do."""
@@ -393,8 +490,9 @@ def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(r
 
     other = OtherJob.remote()
     ray.get(other.ready.remote(), timeout=120)
-    cfg = TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1,
-                                               cpus_per_worker=1, stall_timeout_s=2))
+    cfg = TrainConfig.model_validate(
+        train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, cpus_per_worker=1, stall_timeout_s=2)
+    )
     outcome: dict = {}
 
     def run() -> None:
@@ -409,8 +507,11 @@ def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(r
     ray.kill(other)
     assert not job.is_alive(), "the job still waits for its worker group after 300 s"
     assert isinstance(outcome.get("error"), Stalled), outcome
-    assert re.search(r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished in 2 s\. .*another "
-                     r"job may hold the CPUs.*stall_timeout_s", str(outcome["error"])), outcome["error"]
+    assert re.search(
+        r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished in 2 s\. .*another "
+        r"job may hold the CPUs.*stall_timeout_s",
+        str(outcome["error"]),
+    ), outcome["error"]
     assert not (tmp_path / "run" / "final_metrics.json").exists()
 
 
@@ -419,17 +520,30 @@ def test_training_refuses_up_front_a_draft_no_export_engine_can_serve():
     for it could never load; a newer release reads the slot count from the config."""
     from pipeline.train.job import check_servable
 
-    cfg = TrainConfig.model_validate({"dataset": "unused", "target": {"path": "unused"}, "output": "unused",
-                                      "export": {"engines": ["sglang"], "engine_versions": {"sglang": "0.5.11"}}})
+    cfg = TrainConfig.model_validate(
+        {
+            "dataset": "unused",
+            "target": {"path": "unused"},
+            "output": "unused",
+            "export": {"engines": ["sglang"], "engine_versions": {"sglang": "0.5.11"}},
+        }
+    )
     aux = [C.layer_output(1), C.layer_output(2)]
     with pytest.raises(ProvenanceMismatch, match="refusing to train.*sglang 0.5.11 has a fixed three-slot fc"):
         check_servable(cfg, aux, 6, {"model_type": "llama"})
-    check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine_versions": {}})}),
-                   aux, 6, {"model_type": "llama"})  # newest SGLang: fine
+    check_servable(
+        cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine_versions": {}})}),
+        aux,
+        6,
+        {"model_type": "llama"},
+    )  # newest SGLang: fine
     with pytest.raises(ProvenanceMismatch, match=r"the embedding \(r_0\)"):
-        check_servable(cfg.model_copy(update={"export": cfg.export.model_copy(
-            update={"engine_versions": {"sglang": "0.5.21"}})}), [C.embedding(), *aux, C.layer_output(3)][:3],
-            6, {"model_type": "llama"})
+        check_servable(
+            cfg.model_copy(update={"export": cfg.export.model_copy(update={"engine_versions": {"sglang": "0.5.21"}})}),
+            [C.embedding(), *aux, C.layer_output(3)][:3],
+            6,
+            {"model_type": "llama"},
+        )
 
 
 def test_checkpoints_are_built_from_parts_and_only_the_last_k_are_kept(tmp_path):
@@ -450,8 +564,9 @@ def test_checkpoints_are_built_from_parts_and_only_the_last_k_are_kept(tmp_path)
             self.t.copy_(state["counter"])
 
     def manager(root, parts, world=1, keep=2):
-        return CheckpointManager(str(root), None, parts, every=1, keep=keep, rank=0, world=world,
-                                 barrier=lambda: None, zero_stage=2)
+        return CheckpointManager(
+            str(root), None, parts, every=1, keep=keep, rank=0, world=world, barrier=lambda: None, zero_stage=2
+        )
 
     train, counter = TrainState(), Counter()
     m = manager(tmp_path, {"train": train, "counter": counter, "rng": RNGState()})
@@ -484,17 +599,23 @@ def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny
     from pipeline.train import checkpoint
 
     kw = dict(num_workers=1, epochs=2, checkpoint_every=2, metrics_every=2, eval_fraction=0.0)
-    straight = run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "a", max_steps=6, **kw)),
-                         use_ray=False)
-    run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=4, **kw)),
-              use_ray=False)
+    straight = run_train(
+        TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "a", max_steps=6, **kw)), use_ray=False
+    )
+    run_train(
+        TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=4, **kw)), use_ray=False
+    )
     torn = tmp_path / "b" / "checkpoints" / "step-000006"
     torn.mkdir()
-    (torn / "rank-0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"partial")
+    (torn / "rank-0.safetensors").write_bytes(b'\x10\x00\x00\x00\x00\x00\x00\x00{"partial')
     assert checkpoint.latest(str(tmp_path / "b"), None) == "step-000004"
-    resumed = run_train(TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=6, **kw)),
-                        use_ray=False)
-    assert resumed["metrics"]["steps"] == straight["metrics"]["steps"] == 6 and checkpoint.latest(str(tmp_path / "b"), None) == "step-000006"
+    resumed = run_train(
+        TrainConfig.model_validate(train_cfg(tiny_target, dataset, tmp_path / "b", max_steps=6, **kw)), use_ray=False
+    )
+    assert (
+        resumed["metrics"]["steps"] == straight["metrics"]["steps"] == 6
+        and checkpoint.latest(str(tmp_path / "b"), None) == "step-000006"
+    )
     a = load_file(str(tmp_path / "a/checkpoints/step-000006/model.safetensors"))
     b = load_file(str(tmp_path / "b/checkpoints/step-000006/model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
@@ -503,13 +624,14 @@ def test_a_kill_during_checkpoint_writes_resumes_from_the_last_complete_one(tiny
 def test_training_does_not_compile_deepspeeds_cpu_shared_memory_op(tmp_path):
     """DeepSpeed on CPU compiles a C++ shared-memory all-reduce (25 s on a fresh machine) when its
     communication starts; training never uses it. In a fresh process, as a worker starts one."""
-    script = ("from pipeline.train.job import init_single_process\n"
-              "from pipeline.train.trainer import import_deepspeed\n"
-              "ds = import_deepspeed()\ninit_single_process()\nds.init_distributed(dist_backend='gloo')\n"
-              "from deepspeed.comm import comm\nprint('shm op:', comm.cdb.shm_comm_op)\n")
+    script = (
+        "from pipeline.train.job import init_single_process\n"
+        "from pipeline.train.trainer import import_deepspeed\n"
+        "ds = import_deepspeed()\ninit_single_process()\nds.init_distributed(dist_backend='gloo')\n"
+        "from deepspeed.comm import comm\nprint('shm op:', comm.cdb.shm_comm_op)\n"
+    )
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")}  # a build would land here
-    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
+    run = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "shm op: None" in run.stdout and not (tmp_path / "ext").exists(), run.stdout + run.stderr[-2000:]
 
@@ -527,8 +649,11 @@ def test_zero_partitions_match_deepspeed(stage):
     deepspeed.init_distributed(dist_backend="gloo")
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     n_params = sum(p.numel() for p in model.parameters())
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config={
-        "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}, "bf16": {"enabled": True}},
+    )
     loss = engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().pow(2).mean()
     engine.backward(loss)
     engine.step()

@@ -25,9 +25,14 @@ def validate(run_dir, tiny_target, tmp_path, engine="vllm", config_edit=None, ta
     p = tmp_path / f"draft-config-{len(list(tmp_path.iterdir()))}.json"
     p.write_text(json.dumps(draft_cfg))
     kw.setdefault("acceptance_prompts", 2)
-    serving = {"engine": kw.pop("serving_engine", engine), "dtype": kw.pop("dtype", "float32"),
-               "target": {"path": str(target or tiny_target)}, "draft_config": str(p),
-               "attn_implementation": kw.pop("attn", "sdpa"), "replay": kw.pop("replay", "hf")}
+    serving = {
+        "engine": kw.pop("serving_engine", engine),
+        "dtype": kw.pop("dtype", "float32"),
+        "target": {"path": str(target or tiny_target)},
+        "draft_config": str(p),
+        "attn_implementation": kw.pop("attn", "sdpa"),
+        "replay": kw.pop("replay", "hf"),
+    }
     return run_validate(ValidateConfig.model_validate({"artifact": str(art), "serving": serving, **kw}))
 
 
@@ -39,11 +44,14 @@ def set_ids(ids, nested=False):
         else:
             c[AUX_KEY] = ids
         return c
+
     return edit
 
 
 # -- no false blocks -----------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype, attn", [("float32", "sdpa"), ("bfloat16", "sdpa"), ("float32", "eager"), ("bfloat16", "eager")])
+@pytest.mark.parametrize(
+    "dtype, attn", [("float32", "sdpa"), ("bfloat16", "sdpa"), ("float32", "eager"), ("bfloat16", "eager")]
+)
 def test_correct_vllm_config_passes(run_dir, tiny_target, tmp_path, dtype, attn):
     r = validate(run_dir, tiny_target, tmp_path, dtype=dtype, attn=attn)
     assert r.decision == "pass", r.reasons
@@ -81,8 +89,13 @@ def blocked(r, *needles):
 
 def test_all_slots_shifted_plus_one(run_dir, tiny_target, tmp_path):
     r = validate(run_dir, tiny_target, tmp_path, config_edit=set_ids([3, 4, 5]))
-    blocked(r, "slot 0 is fed o_2 (r_3)", "trained on o_1 (r_2), whose values match o_1 (r_2)", "shifted by +1",
-            f"for vllm write top-level {AUX_KEY}=[2, 3, 4]")
+    blocked(
+        r,
+        "slot 0 is fed o_2 (r_3)",
+        "trained on o_1 (r_2), whose values match o_1 (r_2)",
+        "shifted by +1",
+        f"for vllm write top-level {AUX_KEY}=[2, 3, 4]",
+    )
     assert [s.ok for s in r.slots] == [False, False, False]
 
 
@@ -106,8 +119,15 @@ def test_slots_swapped_in_sglang_are_harmless(run_dir, tiny_target, tmp_path):
 
 def test_original_bug_embedding_inserted_last_slot_dropped(run_dir, tiny_target, tmp_path):
     r = validate(run_dir, tiny_target, tmp_path, config_edit=set_ids([0, 2, 3]))
-    blocked(r, "slot 0 is fed embedding (r_0)", "trained on o_1 (r_2), whose values match o_1 (r_2)", "shifted by -2",
-            "slot 1 is fed o_1 (r_2)", "slot 2 is fed o_2 (r_3)", "shifted by -1")
+    blocked(
+        r,
+        "slot 0 is fed embedding (r_0)",
+        "trained on o_1 (r_2), whose values match o_1 (r_2)",
+        "shifted by -2",
+        "slot 1 is fed o_1 (r_2)",
+        "slot 2 is fed o_2 (r_3)",
+        "shifted by -1",
+    )
 
 
 def test_sglang_config_read_by_vllm_rules(run_dir, tiny_target, tmp_path):
@@ -120,8 +140,13 @@ def test_sglang_config_read_by_vllm_rules(run_dir, tiny_target, tmp_path):
 def test_missing_nested_key_means_silent_default(run_dir, tiny_target, tmp_path):
     """The vLLM export (top-level key only) served by SGLang: SGLang ignores it, uses its default."""
     r = validate(run_dir, tiny_target, tmp_path, serving_engine="sglang")
-    blocked(r, "finds no aux layer ids", "silently uses its default", "would feed 2 aux states",
-            "slot 2: the engine feeds no tensor here")
+    blocked(
+        r,
+        "finds no aux layer ids",
+        "silently uses its default",
+        "would feed 2 aux states",
+        "slot 2: the engine feeds no tensor here",
+    )
 
 
 def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
@@ -133,7 +158,7 @@ def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     shutil.copytree(run_dir / "export" / "vllm", art)
     ds_fp = Fingerprints.load(str(run_dir.parent / "ds"))
     fp = Fingerprints.load(str(art), name=ARTIFACT_FINGERPRINTS)
-    fp.sketches["layer_output:5"] = ds_fp.sketches["final:post_norm"]     # the mislabelled training values
+    fp.sketches["layer_output:5"] = ds_fp.sketches["final:post_norm"]  # the mislabelled training values
     fp.rms["layer_output:5"] = ds_fp.rms["final:post_norm"]
     fp.digests["layer_output:5"] = ds_fp.digests["final:post_norm"]
     fp.points = ["layer_output:1", "layer_output:2", "layer_output:5"]
@@ -147,14 +172,21 @@ def test_final_pre_and_post_norm_confused(run_dir, tiny_target, tmp_path):
     m.fingerprints = {**m.fingerprints, "sha256": fp_sha}
     m.content_digest = content_digest(art)
     (art / "strata_artifact.json").write_text(m.model_dump_json())
-    r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
-        "acceptance_prompts": 0}))
+    r = run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(art),
+                "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
+                "acceptance_prompts": 0,
+            }
+        )
+    )
     blocked(r, "slot 2 is fed o_5 (r_6)", "whose values match final post-norm (final_post)")
 
 
-@pytest.mark.parametrize("name, offset", [("strata_fingerprints.st", -3), ("model.safetensors", -5),
-                                          ("config.json", 2)])
+@pytest.mark.parametrize(
+    "name, offset", [("strata_fingerprints.st", -3), ("model.safetensors", -5), ("config.json", 2)]
+)
 def test_artifact_files_are_verified_before_use(run_dir, tiny_target, tmp_path, name, offset):
     """A 2-byte flip in the fingerprints used to pass (or mislead the diagnosis)."""
     art = tmp_path / "art"
@@ -164,9 +196,20 @@ def test_artifact_files_are_verified_before_use(run_dir, tiny_target, tmp_path, 
     blob[offset - 1] ^= 0x01
     (art / name).write_bytes(bytes(blob))
     with pytest.raises(ValidationInputError, match="modified"):
-        run_validate(ValidateConfig.model_validate({
-            "artifact": str(art), "acceptance_prompts": 0,
-            "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
+        run_validate(
+            ValidateConfig.model_validate(
+                {
+                    "artifact": str(art),
+                    "acceptance_prompts": 0,
+                    "serving": {
+                        "engine": "vllm",
+                        "replay": "hf",
+                        "dtype": "float32",
+                        "target": {"path": str(tiny_target)},
+                    },
+                }
+            )
+        )
 
 
 def test_serving_target_with_other_weights(run_dir, tiny_target, tmp_path):
@@ -199,8 +242,9 @@ def test_other_chat_template(run_dir, tiny_target, tmp_path):
 
 def test_dtype_beyond_tolerance(run_dir, tiny_target, tmp_path):
     """bf16 serving of fp32-trained values: ~0.2-1% apart; with a 0.1% tolerance that is a block."""
-    r = validate(run_dir, tiny_target, tmp_path, dtype="bfloat16", tolerances={"match_rel_l2": 0.001},
-                 acceptance_prompts=0)
+    r = validate(
+        run_dir, tiny_target, tmp_path, dtype="bfloat16", tolerances={"match_rel_l2": 0.001}, acceptance_prompts=0
+    )
     blocked(r, "match no boundary of the serving target", "dtype/numerics change beyond tolerance")
     assert not any(c.ok is False for c in r.identity)
 
@@ -218,13 +262,26 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
     art = tmp_path / "claims"
     shutil.copytree(run_dir / "export" / "vllm", art)
     m = json.loads((art / "strata_artifact.json").read_text())
-    m["metrics"]["heldout_acceptance"].update(acceptance_per_pos=[0.99, 0.98, 0.97], accepted_per_step=2.94,
-                                               mean_acceptance_length=3.94, verify_steps=600, k=3, se=0.05)
+    m["metrics"]["heldout_acceptance"].update(
+        acceptance_per_pos=[0.99, 0.98, 0.97],
+        accepted_per_step=2.94,
+        mean_acceptance_length=3.94,
+        verify_steps=600,
+        k=3,
+        se=0.05,
+    )
     (art / "strata_artifact.json").write_text(json.dumps(m))
     # Six prompts of 32 tokens: enough verify steps that the noise allowance leaves room to judge.
-    r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": 6, "max_new_tokens": 32,
-        "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}}}))
+    r = run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(art),
+                "acceptance_prompts": 6,
+                "max_new_tokens": 32,
+                "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
+            }
+        )
+    )
     vs = r.acceptance["vs_heldout"]
     print("vs held-out:", vs)
     assert vs["gated"] and vs["heldout"] == pytest.approx(2.94) and vs["measured"] < vs["threshold"]
@@ -234,8 +291,13 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
 
 def test_the_old_acceptance_tolerance_is_refused_with_its_replacement():
     with pytest.raises(ValueError, match="replaced by acceptance_vs_heldout"):
-        ValidateConfig.model_validate({"artifact": "/a", "tolerances": {"acceptance_vs_predicted": 0.3},
-                                       "serving": {"engine": "vllm", "target": {"path": "/t"}}})
+        ValidateConfig.model_validate(
+            {
+                "artifact": "/a",
+                "tolerances": {"acceptance_vs_predicted": 0.3},
+                "serving": {"engine": "vllm", "target": {"path": "/t"}},
+            }
+        )
 
 
 # -- output and exit codes -------------------------------------------------------------------------
@@ -248,8 +310,21 @@ def test_cli_exit_codes_json_and_report(run_dir, tiny_target, tmp_path, capsys):
         c[AUX_KEY] = ids
         (tmp_path / "c.json").write_text(json.dumps(c))
         p = tmp_path / f"validate-{ids[0]}.yaml"
-        p.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {
-            "path": str(tiny_target)}, "draft_config": str(tmp_path / "c.json")}, "acceptance_prompts": 2}))
+        p.write_text(
+            json.dumps(
+                {
+                    "artifact": str(art),
+                    "serving": {
+                        "engine": "vllm",
+                        "replay": "hf",
+                        "dtype": "float32",
+                        "target": {"path": str(tiny_target)},
+                        "draft_config": str(tmp_path / "c.json"),
+                    },
+                    "acceptance_prompts": 2,
+                }
+            )
+        )
         return str(p)
 
     assert strata(["validate", "--config", cfg([2, 3, 4]), "--json"]) == 0
@@ -257,9 +332,13 @@ def test_cli_exit_codes_json_and_report(run_dir, tiny_target, tmp_path, capsys):
     assert strata(["validate", "--config", cfg([3, 4, 5]), "--report-dir", str(tmp_path / "rep")]) == 3
     out = capsys.readouterr().out
     assert "BLOCK" in out and "shifted by +1" in out
-    assert (tmp_path / "rep" / "heatmap.png").stat().st_size > 1000 and "| slot |" in (tmp_path / "rep/report.md").read_text()
+    assert (tmp_path / "rep" / "heatmap.png").stat().st_size > 1000 and "| slot |" in (
+        tmp_path / "rep/report.md"
+    ).read_text()
     bad = tmp_path / "bad.yaml"
-    bad.write_text(json.dumps({"artifact": str(tmp_path), "serving": {"engine": "vllm", "target": {"path": str(tiny_target)}}}))
+    bad.write_text(
+        json.dumps({"artifact": str(tmp_path), "serving": {"engine": "vllm", "target": {"path": str(tiny_target)}}})
+    )
     assert strata(["validate", "--config", str(bad)]) == 2
     assert "no strata_artifact.json" in capsys.readouterr().err
     with pytest.raises(ValidationInputError):
@@ -272,8 +351,15 @@ def test_validation_records_gate_promotion(run_dir, tiny_target, tmp_path, capsy
     reg = str(tmp_path / "registry")
     art = run_dir / "export" / "vllm"
     good = tmp_path / "good.yaml"
-    good.write_text(json.dumps({"artifact": str(art), "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32",
-                                "target": {"path": str(tiny_target)}}, "acceptance_prompts": 1}))
+    good.write_text(
+        json.dumps(
+            {
+                "artifact": str(art),
+                "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
+                "acceptance_prompts": 1,
+            }
+        )
+    )
     assert strata(["registry", "create-channel", "production", "--validate-config", str(good), "--registry", reg]) == 0
     digest = json.loads((art / "strata_artifact.json").read_text())["content_digest"]
     assert strata(["registry", "add", str(art), "--registry", reg]) == 0

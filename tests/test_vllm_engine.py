@@ -25,19 +25,26 @@ CAPTURE = ["embedding", "layer_output:0", "layer_output:2", "final:pre_norm"]  #
 
 
 def extract_cfg(tiny_target, conversations, out, engine, dtype="float32", **kw):
-    return ExtractConfig.model_validate({
-        "target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)},
-        "output": {"uri": str(out), "rows_per_shard": 8}, "capture": kw.pop("capture", CAPTURE), "max_length": 256,
-        "engine": {"name": engine, "dtype": dtype, "device": "cpu", "max_model_len": 512},
-        "fingerprint": {"probe_samples": 0}, "ray": {"num_actors": 1, "cpus_per_actor": 1,
-                                                     **kw.pop("ray", {})}, **kw})
+    return ExtractConfig.model_validate(
+        {
+            "target": {"path": str(tiny_target)},
+            "source": {"uri": str(conversations)},
+            "output": {"uri": str(out), "rows_per_shard": 8},
+            "capture": kw.pop("capture", CAPTURE),
+            "max_length": 256,
+            "engine": {"name": engine, "dtype": dtype, "device": "cpu", "max_model_len": 512},
+            "fingerprint": {"probe_samples": 0},
+            "ray": {"num_actors": 1, "cpus_per_actor": 1, **kw.pop("ray", {})},
+            **kw,
+        }
+    )
 
 
-def test_vllm_extraction_in_ray_actor_equals_hf_engine(vllm_engine, ray_connected, tiny_target, conversations,
-                                                      tmp_path):
+def test_vllm_extraction_in_ray_actor_equals_hf_engine(
+    vllm_engine, ray_connected, tiny_target, conversations, tmp_path
+):
     """Same samples through the Ray actor pool with vLLM and in-process with HF (fp32)."""
-    vcfg = extract_cfg(tiny_target, conversations, tmp_path / "vllm", "vllm",
-                       ray={"address": ray_connected["address"]})
+    vcfg = extract_cfg(tiny_target, conversations, tmp_path / "vllm", "vllm", ray={"address": ray_connected["address"]})
     hcfg = extract_cfg(tiny_target, conversations, tmp_path / "hf", "hf")
     vm = run_extract(vcfg, progress=False, use_ray=True)
     hm = run_extract(hcfg, progress=False, use_ray=False)
@@ -45,8 +52,11 @@ def test_vllm_extraction_in_ray_actor_equals_hf_engine(vllm_engine, ray_connecte
     vr, hr = DatasetReader(str(tmp_path / "vllm")), DatasetReader(str(tmp_path / "hf"))
     prov = {str(p): vr.provenance(p) for p in vr.points}
     assert {k: (v.engine.name, v.engine.native_id, v.boundary) for k, v in prov.items()} == {
-        "embedding": ("vllm", 0, "r_0"), "layer_output:0": ("vllm", 1, "r_1"), "layer_output:2": ("vllm", 3, "r_3"),
-        "final:pre_norm": ("vllm", 6, "r_6")}
+        "embedding": ("vllm", 0, "r_0"),
+        "layer_output:0": ("vllm", 1, "r_1"),
+        "layer_output:2": ("vllm", 3, "r_3"),
+        "final:pre_norm": ("vllm", 6, "r_6"),
+    }
     assert prov["embedding"].engine.version == vllm_engine.vllm_version()
     hf = {s.sample_id: s for s in hr.iter_samples()}
     worst = {p: 0.0 for p in CAPTURE}
@@ -82,12 +92,19 @@ def test_vllm_bf16_capture_within_calibrated_tolerance(vllm_engine, tiny_target)
         errs[str(p)] = rel_l2(a, b)
     print("vLLM vs HF bf16 relative L2:", errs)
     assert errs["embedding"] == 0.0
-    assert max(errs.values()) < 0.01  # calibrated bf16 noise is 0.2-1% (README, validation); neighbours are 28-96% apart
+    assert (
+        max(errs.values()) < 0.01
+    )  # calibrated bf16 noise is 0.2-1% (README, validation); neighbours are 28-96% apart
 
 
 def test_vllm_cannot_capture_post_norm(tiny_target, conversations, tmp_path):
-    raw = {"target": {"path": str(tiny_target)}, "source": {"uri": str(conversations)}, "output": {"uri": str(tmp_path)},
-           "capture": ["layer_output:1", "final:post_norm"], "engine": {"name": "vllm"}}
+    raw = {
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(conversations)},
+        "output": {"uri": str(tmp_path)},
+        "capture": ["layer_output:1", "final:post_norm"],
+        "engine": {"name": "vllm"},
+    }
     with pytest.raises(ConfigError, match=r"engine vllm captures the residual stream only.*final:post_norm"):
         validate_config(raw, ExtractConfig)
 
@@ -99,21 +116,46 @@ def served(trained_run, tiny_target, tmp_path, config_edit=None, serving=None, *
         cfg = config_edit(cfg)
     p = tmp_path / f"served-{len(list(tmp_path.iterdir()))}.json"
     p.write_text(json.dumps(cfg))
-    return run_validate(ValidateConfig.model_validate({
-        "artifact": str(art), "acceptance_prompts": kw.pop("acceptance_prompts", 6), "max_new_tokens": 16,
-        "speculative_tokens": 3, "cost": kw.pop("cost", False),
-        "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 512,
-                    "target": {"path": str(tiny_target)}, "draft_config": str(p), **(serving or {})}, **kw}))
+    return run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(art),
+                "acceptance_prompts": kw.pop("acceptance_prompts", 6),
+                "max_new_tokens": 16,
+                "speculative_tokens": 3,
+                "cost": kw.pop("cost", False),
+                "serving": {
+                    "engine": "vllm",
+                    "replay": "engine",
+                    "dtype": "float32",
+                    "max_model_len": 512,
+                    "target": {"path": str(tiny_target)},
+                    "draft_config": str(p),
+                    **(serving or {}),
+                },
+                **kw,
+            }
+        )
+    )
 
 
-def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(vllm_engine, trained_run, tiny_target,
-                                                                           tmp_path):
+def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(
+    vllm_engine, trained_run, tiny_target, tmp_path
+):
     """Cross-engine: extracted with HF, trained by Strata, exported for vLLM, validated in vLLM."""
     r = served(trained_run, tiny_target, tmp_path)
     assert r.decision == "pass", r.reasons
     acc, ref = r.acceptance, r.acceptance["reference"]
-    print("acceptance per position: vLLM", acc["acceptance_per_pos"], "reference", ref["acceptance_per_pos"],
-          "| mean length: vLLM", acc["mean_acceptance_length"], "reference", ref["mean_acceptance_length"])
+    print(
+        "acceptance per position: vLLM",
+        acc["acceptance_per_pos"],
+        "reference",
+        ref["acceptance_per_pos"],
+        "| mean length: vLLM",
+        acc["mean_acceptance_length"],
+        "reference",
+        ref["mean_acceptance_length"],
+    )
     assert acc["measured_by"].startswith("vllm") and acc["lossless"] and ref["lossless"]
     assert acc["verify_steps"] > 0 and acc["draft_tokens"] == 3 * acc["verify_steps"]
     # A trained draft's tokens are accepted; a random draft's never are (0 of 66 here). How
@@ -126,8 +168,11 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(vllm
     assert max(s.errors[s.best] for s in r.slots) < 1e-5  # fp32 replay through vLLM vs HF-extracted training data
     # The feed was measured inside vLLM, on prefill and on verify steps, and matches the training values.
     assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == []
-    assert [x["prefill"] for x in r.feed["slots"]] == [x["verify"] for x in r.feed["slots"]] == [
-        "layer_output:1", "layer_output:2", "layer_output:3"]
+    assert (
+        [x["prefill"] for x in r.feed["slots"]]
+        == [x["verify"] for x in r.feed["slots"]]
+        == ["layer_output:1", "layer_output:2", "layer_output:3"]
+    )
     assert max(r.feed["vs_training_rel_l2"]) < 1e-4
 
 
@@ -137,19 +182,28 @@ def set_ids(ids, nested=False):
         if ids is not None:
             (c.setdefault("eagle_config", {}) if nested else c)[AUX_KEY] = ids
         return c
+
     return edit
 
 
-@pytest.mark.parametrize("edit, export, needles", [
-    (set_ids([3, 4, 5]), "vllm", ["slot 0 is fed o_2 (r_3)", "shifted by +1", f"top-level {AUX_KEY}=[2, 3, 4]"]),
-    (set_ids([1, 2, 3]), "vllm", ["slot 0 is fed o_0 (r_1)", "shifted by -1"]),
-    (set_ids([2, 3, 5]), "vllm", ["slot 2 is fed o_4 (r_5)"]),
-    (set_ids([0, 2, 3]), "vllm", ["slot 0 is fed embedding (r_0)", "shifted by -2"]),
-    (set_ids([1, 2, 3], nested=True), "vllm", [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1",
-                                               "V2 runner) reads"]),  # SGLang format: V1 reads r-ids, V2 never
-], ids=["plus-one", "minus-one", "one-slot", "embedding-first", "nested-only"])
-def test_wrong_configs_blocked_by_the_measured_feed(vllm_engine, trained_run, tiny_target, tmp_path, edit, export,
-                                                   needles):
+@pytest.mark.parametrize(
+    "edit, export, needles",
+    [
+        (set_ids([3, 4, 5]), "vllm", ["slot 0 is fed o_2 (r_3)", "shifted by +1", f"top-level {AUX_KEY}=[2, 3, 4]"]),
+        (set_ids([1, 2, 3]), "vllm", ["slot 0 is fed o_0 (r_1)", "shifted by -1"]),
+        (set_ids([2, 3, 5]), "vllm", ["slot 2 is fed o_4 (r_5)"]),
+        (set_ids([0, 2, 3]), "vllm", ["slot 0 is fed embedding (r_0)", "shifted by -2"]),
+        (
+            set_ids([1, 2, 3], nested=True),
+            "vllm",
+            [f"eagle_config.{AUX_KEY}", "slot 0 is fed o_0 (r_1)", "shifted by -1", "V2 runner) reads"],
+        ),  # SGLang format: V1 reads r-ids, V2 never
+    ],
+    ids=["plus-one", "minus-one", "one-slot", "embedding-first", "nested-only"],
+)
+def test_wrong_configs_blocked_by_the_measured_feed(
+    vllm_engine, trained_run, tiny_target, tmp_path, edit, export, needles
+):
     """Served as configured; the slot table names the boundary each slot really received."""
     r = served(trained_run, tiny_target, tmp_path, config_edit=edit, export=export, acceptance_prompts=3)
     assert r.decision == "block"
@@ -174,8 +228,9 @@ def test_no_ids_is_blocked_by_the_rule_without_serving(vllm_engine, trained_run,
     assert "not served" in r.feed["not_measured"] and "mean_acceptance_length" not in r.acceptance
 
 
-def test_planted_wrong_rule_is_reported_and_the_measurement_decides(vllm_engine, trained_run, tiny_target, tmp_path,
-                                                                    monkeypatch):
+def test_planted_wrong_rule_is_reported_and_the_measurement_decides(
+    vllm_engine, trained_run, tiny_target, tmp_path, monkeypatch
+):
     """A rule table that wrongly says the installed vLLM's V1 runner adds one: the correct config
     still passes (the feed is measured), and the disagreement is reported per slot. With no rule at
     all for the installed release, the measurement alone gives the verdict, with a note to derive it."""
@@ -192,17 +247,25 @@ def test_planted_wrong_rule_is_reported_and_the_measurement_decides(vllm_engine,
     assert [str(s.fed) for s in r.slots] == ["layer_output:1", "layer_output:2", "layer_output:3"]
     assert [str(s.predicted) for s in r.slots] == ["layer_output:2", "layer_output:3", "layer_output:4"]
     assert r.feed["disagreements"][0].startswith(
-        f"{rule.name} feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)")
+        f"{rule.name} feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)"
+    )
     assert len(r.feed["disagreements"]) == 3
 
-    monkeypatch.setattr(releases, "RULES", tuple(x for x in releases.RULES if not (
-        x.engine == "vllm" and x.covers(installed))))
+    monkeypatch.setattr(
+        releases, "RULES", tuple(x for x in releases.RULES if not (x.engine == "vllm" and x.covers(installed)))
+    )
     r = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3)
     assert r.decision == "pass", r.reasons
     assert r.engine_reads["rule"] is None and "derive --engine vllm --release" in r.engine_reads["note"]
     assert [s.fed_by for s in r.slots] == ["measured"] * 3
-    wrong = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3,
-                   config_edit=lambda c: {**c, AUX_KEY: [1, 2, 3]})  # trained: r_2, r_3, r_4
+    wrong = served(
+        trained_run,
+        tiny_target,
+        tmp_path,
+        serving={"vllm_runner": "v1"},
+        acceptance_prompts=3,
+        config_edit=lambda c: {**c, AUX_KEY: [1, 2, 3]},
+    )  # trained: r_2, r_3, r_4
     assert wrong.decision == "block" and any("no derived rule" in x for x in wrong.reasons), wrong.reasons
     with pytest.raises(ValidationInputError, match="no reading rule is known for vllm"):  # nothing to measure
         served(trained_run, tiny_target, tmp_path, serving={"replay": "hf", "engine_version": installed})
@@ -220,13 +283,15 @@ def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp
         served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.40.0"})
     assert all(s.ok for s in r.slots)  # the right ids: only the release is wrong
     assert "mean_acceptance_length" not in r.acceptance
-    same = served(trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"},
-                  acceptance_prompts=0)
+    same = served(
+        trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"}, acceptance_prompts=0
+    )
     assert same.decision == "pass", same.reasons
 
 
-def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(vllm_engine, trained_run, tiny_target,
-                                                                          tmp_path):
+def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(
+    vllm_engine, trained_run, tiny_target, tmp_path
+):
     """vLLM keeps only the newest engine's metrics in a process: an older EAGLE-3 engine would
     read as if it accepted nothing (mean length 1.0, silently). Reading one raises; ``shared``
     restarts it, and its counts are what they were."""
@@ -251,8 +316,9 @@ def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(vllm_en
         vllm_engine.release("eagle3", str(d))
 
 
-def test_only_the_engines_refusal_is_a_finding_a_bug_in_strata_is_an_error(vllm_engine, trained_run, tiny_target,
-                                                                            tmp_path, monkeypatch):
+def test_only_the_engines_refusal_is_a_finding_a_bug_in_strata_is_an_error(
+    vllm_engine, trained_run, tiny_target, tmp_path, monkeypatch
+):
     """Serving through vLLM: an EngineError (vLLM itself could not start or decode the draft as
     configured) blocks with the reason; any other exception while serving is Strata's own bug
     and surfaces as an error, never as a verdict."""
@@ -264,8 +330,9 @@ def test_only_the_engines_refusal_is_a_finding_a_bug_in_strata_is_an_error(vllm_
 
     monkeypatch.setattr(acceptance, "serve_as_configured", refuse)
     r = served(trained_run, tiny_target, tmp_path, acceptance_prompts=2)
-    assert r.decision == "block" and any("failed to serve the draft as configured" in x and "no fc" in x
-                                         for x in r.reasons), r.reasons
+    assert r.decision == "block" and any(
+        "failed to serve the draft as configured" in x and "no fc" in x for x in r.reasons
+    ), r.reasons
 
     def bug(*a, **k):
         raise KeyError("a bug in Strata")

@@ -37,8 +37,19 @@ from schemas.capture import CapturePoint
 
 Tool = Literal["hf", "vllm", "sglang", "specforge", "modelopt", "trtllm", "eagle"]
 
-__all__ = ["AUX_KEY", "NEWEST", "ConventionError", "UnknownRelease", "boundary", "eagle3_default", "position", "releases",
-           "same_tensor", "sort_key"]
+__all__ = [
+    "AUX_KEY",
+    "NEWEST",
+    "ConventionError",
+    "UnknownRelease",
+    "boundary",
+    "eagle3_default",
+    "position",
+    "releases",
+    "same_tensor",
+    "sort_key",
+]
+
 
 def engine_family(engine: str, target_config: dict, override: str | None = "auto") -> str:
     """The architecture whose capture rule ``engine`` applies to this target (from its config.json's
@@ -81,14 +92,20 @@ def all_boundaries(num_layers: int) -> list[CapturePoint]:
 def describe_point(point: CapturePoint, num_layers: int) -> str:
     """A capture point in words, for messages: 'the embedding (r_0)', 'the output of layer 2 (r_3)'."""
     k = boundary(point, num_layers)
-    return "the post-norm final state (final_post, what the LM head reads)" if k is None else releases.describe(k, num_layers)
+    return (
+        "the post-norm final state (final_post, what the LM head reads)"
+        if k is None
+        else releases.describe(k, num_layers)
+    )
 
 
 def _r(point: CapturePoint, num_layers: int, tool: str) -> int:
     k = boundary(point, num_layers)
     if k is None:
-        raise ConventionError(f"{tool} cannot feed a draft {describe_point(point, num_layers)}: it feeds residual-"
-                              "stream states before the final norm (the embedding or a layer's output)")
+        raise ConventionError(
+            f"{tool} cannot feed a draft {describe_point(point, num_layers)}: it feeds residual-"
+            "stream states before the final norm (the embedding or a layer's output)"
+        )
     return k
 
 
@@ -113,8 +130,9 @@ def from_hf_hidden_states_index(index: int, num_layers: int, last_is_post_norm: 
 
 
 # -- one id per point (provenance) --------------------------------------------------------
-def native_id(point: CapturePoint, tool: Tool, num_layers: int, family: str = "llama",
-              release: str = NEWEST) -> int | None:
+def native_id(
+    point: CapturePoint, tool: Tool, num_layers: int, family: str = "llama", release: str = NEWEST
+) -> int | None:
     """The integer ``tool`` uses for ``point`` when writing an explicit id (None: not capturable)."""
     point.validate_for(num_layers)
     try:
@@ -135,8 +153,12 @@ def native_id_convention(tool: Tool, family: str = "llama") -> str:
 
 # -- writing id lists -----------------------------------------------------------------------
 def aux_ids_for(
-    points: Sequence[CapturePoint], tool: Tool, num_layers: int, family: str = "llama",
-    release: str = NEWEST, runner: releases.Runner | None = None,
+    points: Sequence[CapturePoint],
+    tool: Tool,
+    num_layers: int,
+    family: str = "llama",
+    release: str = NEWEST,
+    runner: releases.Runner | None = None,
 ) -> list[int]:
     """The ids to write so that ``tool`` (at ``release``) captures exactly ``points``, in slot order.
 
@@ -190,8 +212,12 @@ def default_aux_points(tool: Tool, num_layers: int) -> list[CapturePoint]:
 
 
 def points_read_from(
-    ids: Sequence[int] | None, tool: Tool, num_layers: int, family: str = "llama",
-    release: str = NEWEST, runner: releases.Runner | None = None,
+    ids: Sequence[int] | None,
+    tool: Tool,
+    num_layers: int,
+    family: str = "llama",
+    release: str = NEWEST,
+    runner: releases.Runner | None = None,
 ) -> list[CapturePoint]:
     """What ``tool`` (at ``release``) feeds the draft for an id list (None: the key is absent)."""
     n = num_layers
@@ -210,17 +236,24 @@ def points_read_from(
     raise ConventionError(f"unknown tool {tool!r}")
 
 
-def ids_in_draft_config(config: dict, tool: Tool, release: str = NEWEST, family: str = "llama",
-                        runner: releases.Runner | None = None) -> tuple[list[int] | None, str]:
+def ids_in_draft_config(
+    config: dict, tool: Tool, release: str = NEWEST, family: str = "llama", runner: releases.Runner | None = None
+) -> tuple[list[int] | None, str]:
     """The id list an engine release reads from a draft's config.json, and the key it came from."""
     if tool not in ("vllm", "sglang"):
         raise ConventionError(f"draft config reading rules are defined for vllm and sglang, not {tool!r}")
     return releases.ids_in_config(releases.rule_for(tool, release, family, runner), config)
 
 
-def draft_config_feeding(config: dict, points: Sequence[CapturePoint], tool: Tool, num_layers: int,
-                         family: str = "llama", release: str = NEWEST,
-                         runner: releases.Runner | None = None) -> dict:
+def draft_config_feeding(
+    config: dict,
+    points: Sequence[CapturePoint],
+    tool: Tool,
+    num_layers: int,
+    family: str = "llama",
+    release: str = NEWEST,
+    runner: releases.Runner | None = None,
+) -> dict:
     """``config`` with the ids that make ``tool`` (at ``release``) feed exactly ``points`` -- the
     fix for a blocked config, or a deliberate misconfiguration -- read back through the same rule."""
     rule = releases.rule_for(tool, release, family, runner)  # type: ignore[arg-type]
@@ -231,15 +264,18 @@ def draft_config_feeding(config: dict, points: Sequence[CapturePoint], tool: Too
     return out
 
 
-def releases_reading(config: dict, points: Sequence[CapturePoint], engine: str, family: str,
-                     num_layers: int) -> list[str]:
+def releases_reading(
+    config: dict, points: Sequence[CapturePoint], engine: str, family: str, num_layers: int
+) -> list[str]:
     """Every known release (range) of ``engine`` that feeds exactly ``points`` for this config."""
     rs = [_r(p, num_layers, engine) for p in points]
     return [r.name for r in releases.rules_reading_as(engine, family, config, rs, num_layers)]  # type: ignore[arg-type]
 
 
 # -- every reading of a config (what a draft found elsewhere may have been trained on) ---------
-def readings_of_config(config: dict, num_layers: int, archs: dict[str, str]) -> dict[tuple[CapturePoint, ...], list[str]]:
+def readings_of_config(
+    config: dict, num_layers: int, archs: dict[str, str]
+) -> dict[tuple[CapturePoint, ...], list[str]]:
     """Every list of points some tool reads a draft config's ids as -- each engine release's rule for
     the target's architecture (``archs``: engine -> architecture), the training tools' and HF's
     labellings -- and every tool's default: points -> who reads them so. Readings a tool refuses
@@ -264,7 +300,10 @@ def readings_of_config(config: dict, num_layers: int, archs: dict[str, str]) -> 
             except ConventionError:
                 continue
             add([boundary_point(k, n) for k in read], rule.name)
-    for tool, label in (("specforge", "SpecForge/ModelOpt/TRT-LLM layer-output ids"), ("hf", "HF hidden_states indices")):
+    for tool, label in (
+        ("specforge", "SpecForge/ModelOpt/TRT-LLM layer-output ids"),
+        ("hf", "HF hidden_states indices"),
+    ):
         if ids:
             try:
                 add(points_read_from(ids, tool, n), f"{label} {list(ids)}")  # type: ignore[arg-type]

@@ -29,10 +29,43 @@ TABLE = Path(__file__).with_name("rules.json")
 # Every release with EAGLE-3, first to newest (``.postN`` builds carry their release's code).
 RELEASES = {
     "sglang": ["0.4.9", "0.4.10", *(f"0.5.{i}" for i in range(1, 24))],
-    "vllm": ["0.11.0", "0.11.1", "0.11.2", "0.12.0", "0.13.0", "0.14.0", "0.14.1", "0.15.0", "0.15.1", "0.16.0",
-             "0.17.0", "0.17.1", "0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0",
-             "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
-             "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0"],
+    "vllm": [
+        "0.11.0",
+        "0.11.1",
+        "0.11.2",
+        "0.12.0",
+        "0.13.0",
+        "0.14.0",
+        "0.14.1",
+        "0.15.0",
+        "0.15.1",
+        "0.16.0",
+        "0.17.0",
+        "0.17.1",
+        "0.18.0",
+        "0.18.1",
+        "0.19.0",
+        "0.19.1",
+        "0.20.0",
+        "0.20.1",
+        "0.20.2",
+        "0.21.0",
+        "0.22.0",
+        "0.22.1",
+        "0.23.0",
+        "0.24.0",
+        "0.25.0",
+        "0.25.1",
+        "0.26.0",
+        "0.27.0",
+        "0.27.1",
+        "0.28.0",
+        "0.29.0",
+        "0.30.0",
+        "0.31.0",
+        "0.32.0",
+        "0.33.0",
+    ],
 }
 SGLANG_KEYS = ("nested",)  # SGLang reads eagle_config.eagle_aux_hidden_state_layer_ids only (see rows' source)
 
@@ -53,8 +86,9 @@ def wheel_for(engine: str, release: str, wheels: Path) -> Path:
 def release_rows(code: ReleasedCode) -> list[dict]:
     """The rule rows one release yields (before merging ranges)."""
     if code.engine == "sglang":  # rows the derivation could not settle are left out: measured or refused
-        return [_sglang_row(code, d) for d in derive_sglang.derive(code) if not d.why.startswith(
-            derive_sglang.NOT_DERIVED)]
+        return [
+            _sglang_row(code, d) for d in derive_sglang.derive(code) if not d.why.startswith(derive_sglang.NOT_DERIVED)
+        ]
     rel = derive_vllm.derive(code)
     rows = []
     for d in rel.architectures:
@@ -64,16 +98,28 @@ def release_rows(code: ReleasedCode) -> list[dict]:
             reader = rel.readers.get(runner)
             if reader is None and runner == "v2":
                 continue
-            rows.append({
-                "engine": "vllm", "architecture": d.architecture, "module": d.module, "runner": runner,
-                "serves": True, "id_rule": "as_is" if reader else "ignored",
-                "keys": list(reader.keys) if reader else [], "key_shifts": dict(reader.shifts) if reader else {},
-                "default_shift": _shift(d.default), "embedding": d.embedding, "final": d.final,
-                "repeated": "merge", "empty": "default" if reader is None or reader.empty_is_absent else "none",
-                "use_aux_flag": bool(reader and reader.honours_use_aux),
-                "gpu_default": {"dense": d.v2_default_dense, "moe": d.v2_default_moe} if runner == "v2" else None,
-                "source": f"{d.source}; {reader.source if reader else 'no id reader: the model default only'}",
-                "why": d.why, "text_model": d.text_model})
+            rows.append(
+                {
+                    "engine": "vllm",
+                    "architecture": d.architecture,
+                    "module": d.module,
+                    "runner": runner,
+                    "serves": True,
+                    "id_rule": "as_is" if reader else "ignored",
+                    "keys": list(reader.keys) if reader else [],
+                    "key_shifts": dict(reader.shifts) if reader else {},
+                    "default_shift": _shift(d.default),
+                    "embedding": d.embedding,
+                    "final": d.final,
+                    "repeated": "merge",
+                    "empty": "default" if reader is None or reader.empty_is_absent else "none",
+                    "use_aux_flag": bool(reader and reader.honours_use_aux),
+                    "gpu_default": {"dense": d.v2_default_dense, "moe": d.v2_default_moe} if runner == "v2" else None,
+                    "source": f"{d.source}; {reader.source if reader else 'no id reader: the model default only'}",
+                    "why": d.why,
+                    "text_model": d.text_model,
+                }
+            )
     return rows
 
 
@@ -82,17 +128,34 @@ def _shift(default: tuple[int, ...]) -> int:
 
 
 def _sglang_row(code: ReleasedCode, d: derive_sglang.Derived) -> dict:
-    return {"engine": "sglang", "architecture": d.architecture, "module": d.module, "runner": None,
-            "serves": d.serves, "id_rule": d.id_rule, "keys": list(SGLANG_KEYS), "key_shifts": {"nested": 0},
-            "default_shift": d.default_shift, "embedding": d.embedding, "final": d.final,
-            "repeated": d.repeated, "empty": d.empty, "gpu_default": None, "use_aux_flag": _sglang_use_aux(code),
-            "source": d.source, "why": d.why, "text_model": False}
+    return {
+        "engine": "sglang",
+        "architecture": d.architecture,
+        "module": d.module,
+        "runner": None,
+        "serves": d.serves,
+        "id_rule": d.id_rule,
+        "keys": list(SGLANG_KEYS),
+        "key_shifts": {"nested": 0},
+        "default_shift": d.default_shift,
+        "embedding": d.embedding,
+        "final": d.final,
+        "repeated": d.repeated,
+        "empty": d.empty,
+        "gpu_default": None,
+        "use_aux_flag": _sglang_use_aux(code),
+        "source": d.source,
+        "why": d.why,
+        "text_model": False,
+    }
 
 
 def _sglang_use_aux(code: ReleasedCode) -> bool:
     """Does this release honour ``eagle_config.use_aux_hidden_state`` (read where it reads the ids)?"""
-    return any("use_aux_hidden_state" in (code.text(p) or "")
-               for p in code.names("sglang/srt/speculative/") + code.names("sglang/srt/model_executor/"))
+    return any(
+        "use_aux_hidden_state" in (code.text(p) or "")
+        for p in code.names("sglang/srt/speculative/") + code.names("sglang/srt/model_executor/")
+    )
 
 
 def merge(per_release: dict[str, list[dict]], order: list[str]) -> list[dict]:
@@ -137,7 +200,10 @@ def _derivation_digest(engine: str) -> str:
 def cached_rows(code: ReleasedCode, cache: Path) -> list[dict]:
     """``release_rows``, kept beside the wheels by wheel hash and derivation digest (a rerun after
     a failure, or of an unchanged derivation, skips the releases already done)."""
-    path = cache / f"derived-{code.engine}-{code.version}-{(code.sha256 or 'installed')[:16]}-{_derivation_digest(code.engine)}.json"
+    path = (
+        cache
+        / f"derived-{code.engine}-{code.version}-{(code.sha256 or 'installed')[:16]}-{_derivation_digest(code.engine)}.json"
+    )
     if path.exists():
         return json.loads(path.read_text())
     rows = release_rows(code)
@@ -174,8 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.all:
-            table = build_table(args.wheels, [args.engine] if args.engine else ["sglang", "vllm"],
-                                log=lambda m: print(m, file=sys.stderr))
+            table = build_table(
+                args.wheels,
+                [args.engine] if args.engine else ["sglang", "vllm"],
+                log=lambda m: print(m, file=sys.stderr),
+            )
             text = json.dumps(table, indent=1, sort_keys=True) + "\n"
             if args.write:
                 tmp = TABLE.with_suffix(".tmp")

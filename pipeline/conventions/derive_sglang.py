@@ -26,7 +26,7 @@ MODELS = "sglang/srt/models/"
 METHOD = "set_eagle3_layers_to_capture"
 DRAFT_HEAD = re.compile(r"(Eagle3?|NextN|MTP|Assistant\w*)$")  # draft / MTP heads registered beside targets
 NOT_DERIVED = "not derived"  # rows the derivation could not settle are left out of the table
-N = 12                                # stand-in depth: large enough that every battery list is distinct
+N = 12  # stand-in depth: large enough that every battery list is distinct
 BATTERY = {"first_one": [1, 5, 9], "plain": [2, 6, 9], "zero": [0, 4, 8], "max_n": [3, 7, N]}
 
 
@@ -35,16 +35,16 @@ class Derived:
     """What one SGLang release does for one architecture (a row before range merging)."""
 
     architecture: str
-    module: str                       # model file of the entry class
+    module: str  # model file of the entry class
     serves: bool
-    id_rule: str | None = None        # plus_one / first_is_one / max_is_n / as_is
-    default_shift: int = 0            # absent ids: loop indices [2, N//2, N-3] + shift
-    embedding: bool | None = None     # r_0 capturable (None: the static check could not tell)
-    final: bool = False               # r_N capturable
-    repeated: str = "merge"           # repeated ids: merged, or "raise" (the collector counts them)
-    empty: str = "none"               # ids == []: "none" (nothing captured) or "default"
-    source: str = ""                  # file and function
-    why: str = ""                     # why it cannot serve, or what the static check could not read
+    id_rule: str | None = None  # plus_one / first_is_one / max_is_n / as_is
+    default_shift: int = 0  # absent ids: loop indices [2, N//2, N-3] + shift
+    embedding: bool | None = None  # r_0 capturable (None: the static check could not tell)
+    final: bool = False  # r_N capturable
+    repeated: str = "merge"  # repeated ids: merged, or "raise" (the collector counts them)
+    empty: str = "none"  # ids == []: "none" (nothing captured) or "default"
+    source: str = ""  # file and function
+    why: str = ""  # why it cannot serve, or what the static check could not read
 
 
 def entry_classes(index: CodeIndex) -> list[tuple[str, str]]:
@@ -88,8 +88,10 @@ def _try(index: CodeIndex, key: str, ids: list[int]) -> list[int] | None:
 def _classify(results: dict[str, list[int] | None]) -> str | None:
     """The id rule every battery result agrees with; a list that raised (None) agrees with a rule
     that would ask for a loop index past the last layer (SGLang indexes its layers with it)."""
+
     def plus(ids):
         return [i + 1 for i in ids]
+
     candidates = {
         "plus_one": plus,
         "as_is": list,
@@ -107,8 +109,13 @@ def derive_architecture(index: CodeIndex, module: str, key: str) -> Derived:
     short = module.rsplit(".", 1)[-1]
     found = index.method(key, METHOD)
     if found is None:
-        return Derived(arch, short, False, source=f"{index.classes[key].path} {arch}",
-                       why=f"{arch} has no {METHOD} (SGLang raises at startup with EAGLE-3)")
+        return Derived(
+            arch,
+            short,
+            False,
+            source=f"{index.classes[key].path} {arch}",
+            why=f"{arch} has no {METHOD} (SGLang raises at startup with EAGLE-3)",
+        )
     info, _ = found
     source = f"{info.path} {info.name}.{METHOD}"
     try:
@@ -123,16 +130,31 @@ def derive_architecture(index: CodeIndex, module: str, key: str) -> Derived:
         return Derived(arch, short, False, source=source, why=f"{METHOD} raises: {type(e).__name__}: {e}")
     id_rule = _classify(results)
     if id_rule is None:
-        return Derived(arch, short, False, source=source,
-                       why=f"{METHOD} maps ids in no known way: {results}; extend derive_sglang._classify")
+        return Derived(
+            arch,
+            short,
+            False,
+            source=source,
+            why=f"{METHOD} maps ids in no known way: {results}; extend derive_sglang._classify",
+        )
     loop = eagle3_default(N)
     shift = next((s for s in (0, 1) if default == [k + s for k in loop]), None)
     if shift is None:
         return Derived(arch, short, False, source=source, why=f"unknown default capture list {default} for N={N}")
     reach = capture_range(index, owner._key, "layers_to_capture")
-    return Derived(arch, short, True, id_rule, shift, reach.embedding, reach.final,
-                   "raise" if reach.counts_ids and len(set(repeated)) < len(repeated) else "merge",
-                   "none" if not empty else "default", source, reach.why)
+    return Derived(
+        arch,
+        short,
+        True,
+        id_rule,
+        shift,
+        reach.embedding,
+        reach.final,
+        "raise" if reach.counts_ids and len(set(repeated)) < len(repeated) else "merge",
+        "none" if not empty else "default",
+        source,
+        reach.why,
+    )
 
 
 def derive(code: ReleasedCode) -> list[Derived]:

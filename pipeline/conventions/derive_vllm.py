@@ -60,8 +60,8 @@ class Reader:
     runner: str
     keys: tuple[str, ...]
     shifts: dict[str, int] = field(default_factory=dict, hash=False)
-    empty_is_absent: bool = True      # ids == [] read as no ids (the model default)
-    honours_use_aux: bool = False     # eagle_config.use_aux_hidden_state: false turns aux states off
+    empty_is_absent: bool = True  # ids == [] read as no ids (the model default)
+    honours_use_aux: bool = False  # eagle_config.use_aux_hidden_state: false turns aux states off
     source: str = ""
 
 
@@ -72,12 +72,12 @@ class Derived:
     serves: bool
     embedding: bool | None = None
     final: bool = False
-    default: tuple[int, ...] = ()       # for N = 12
-    v2_default_dense: bool = False      # a GPU runs V2 by default for a dense target of this arch
+    default: tuple[int, ...] = ()  # for N = 12
+    v2_default_dense: bool = False  # a GPU runs V2 by default for a dense target of this arch
     v2_default_moe: bool = False
     source: str = ""
     why: str = ""
-    text_model: bool = False            # a wrapper handing the ids to the text_config's architecture
+    text_model: bool = False  # a wrapper handing the ids to the text_config's architecture
 
 
 TEXT_MODEL_WHY = "hands the ids unchanged to the language model the checkpoint's text_config names"
@@ -137,6 +137,7 @@ def derive_reader(code: ReleasedCode, runner: str) -> Reader | None:
 
         def call(cfg):
             return f(_spec(cfg))
+
     shifts = {}
     for key, cfg in KEY_CONFIGS.items():
         got = call(cfg)
@@ -144,12 +145,13 @@ def derive_reader(code: ReleasedCode, runner: str) -> Reader | None:
             shifts[key] = int(list(got)[0]) - IDS[0]
     read = list(shifts)
 
-    def wins(a: str, b: str) -> bool:   # with both keys present (different ids), whose are read?
+    def wins(a: str, b: str) -> bool:  # with both keys present (different ids), whose are read?
         # a's first id 3 cannot be b's 1 after any shift of 0 or +1: no tie reads as a win
         cfg_a = _with_ids(KEY_CONFIGS[a], [3, 7, 11])
         merged = _merge(cfg_a, KEY_CONFIGS[b])
         got = call(merged)
         return bool(got) and int(list(got)[0]) - shifts[a] == 3
+
     order = sorted(read, key=lambda k: -sum(wins(k, o) for o in read if o != k))
     empty = not call({AUX: []})
     folder = V1_RUNNER if runner == "v1" else path.rsplit("/", 1)[0] + "/"
@@ -173,8 +175,16 @@ def registry(code: ReleasedCode) -> dict[str, tuple[str, str]]:
     tree = ast.parse(code.text(REGISTRY) or "")
     out = {}
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) else node.target if isinstance(node, ast.AnnAssign) else None
-        if getattr(target, "id", "") in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS") and isinstance(node.value, ast.Dict):
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign)
+            else node.target
+            if isinstance(node, ast.AnnAssign)
+            else None
+        )
+        if getattr(target, "id", "") in ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS") and isinstance(
+            node.value, ast.Dict
+        ):
             for k, v in zip(node.value.keys, node.value.values, strict=True):
                 try:
                     arch, (module, cls) = ast.literal_eval(k), ast.literal_eval(v)[:2]
@@ -245,8 +255,9 @@ def _import_on_cuda(name, globals=None, locals=None, fromlist=(), level=0):
 
 
 # One GPU: every parallel size a runner choice may test is 1.
-PARALLEL_ONE = {f"{k}_parallel_size": 1 for k in ("tensor", "pipeline", "data", "prefill_context",
-                                                   "decode_context", "expert")}
+PARALLEL_ONE = {
+    f"{k}_parallel_size": 1 for k in ("tensor", "pipeline", "data", "prefill_context", "decode_context", "expert")
+}
 
 
 def _v2_choice(code: ReleasedCode):
@@ -259,8 +270,12 @@ def _v2_choice(code: ReleasedCode):
     consts = StandInGlobals(N)
     consts.update(envs=SimpleNamespace(VLLM_USE_V2_MODEL_RUNNER=None), HAS_TRITON=True)
     for node in ast.parse(code.text(path) or "").body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
-                getattr(node.value.func, "id", "") in ("frozenset", "set") and node.value.args:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", "") in ("frozenset", "set")
+            and node.value.args
+        ):
             consts[node.targets[0].id] = frozenset(ast.literal_eval(node.value.args[0]))
     tree = ast.parse(code.text(path) or "")
     helpers = [n for n in tree.body if isinstance(n, ast.FunctionDef)]  # default_v2_model_runner_architectures()
@@ -272,15 +287,28 @@ def _v2_choice(code: ReleasedCode):
     is_default = _compile(code, per_model[0], per_model[1], consts) if per_model else None
 
     def choice(arch: str, is_moe: bool) -> bool:
-        mc = SimpleNamespace(runner_type="generate", architectures=[arch], is_moe=is_moe, is_quantized=False,
-                             is_hybrid=False, is_attention_free=False, is_diffusion=False)
+        mc = SimpleNamespace(
+            runner_type="generate",
+            architectures=[arch],
+            is_moe=is_moe,
+            is_quantized=False,
+            is_hybrid=False,
+            is_attention_free=False,
+            is_diffusion=False,
+        )
         # A plain EAGLE-3 deployment: no feature V2 lacks, no HiSparse or watermarking.
-        cfg = _Deployment(model_config=mc, attention_config=SimpleNamespace(hisparse_config=None),
-                          watermark_config=None, _get_v2_model_runner_unsupported_features=lambda: [],
-                          speculative_config=_spec({}), parallel_config=_Deployment(**PARALLEL_ONE))
+        cfg = _Deployment(
+            model_config=mc,
+            attention_config=SimpleNamespace(hisparse_config=None),
+            watermark_config=None,
+            _get_v2_model_runner_unsupported_features=lambda: [],
+            speculative_config=_spec({}),
+            parallel_config=_Deployment(**PARALLEL_ONE),
+        )
         if is_default is not None:
             cfg._is_default_v2_model_runner_model = lambda: is_default(cfg)
         return bool(use_v2(cfg))
+
     return choice
 
 
@@ -311,12 +339,19 @@ def _text_config_built(index: CodeIndex, key: str, attr: str) -> bool:
     for info in index.mro(key):
         init = info.own_method("__init__")
         for node in ast.walk(init) if init else ():
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call) and \
-                    getattr(node.value.func, "id", "") == "init_vllm_registered_model" and any(
-                        isinstance(t, ast.Attribute) and t.attr == attr and getattr(t.value, "id", "") == "self"
-                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])):
+            if (
+                isinstance(node, (ast.Assign, ast.AnnAssign))
+                and isinstance(node.value, ast.Call)
+                and getattr(node.value.func, "id", "") == "init_vllm_registered_model"
+                and any(
+                    isinstance(t, ast.Attribute) and t.attr == attr and getattr(t.value, "id", "") == "self"
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                )
+            ):
                 kw = {k.arg: k.value for k in node.value.keywords}
-                return "architectures" not in kw and "text_config" in ast.unparse(kw.get("hf_config", ast.Constant(None)))
+                return "architectures" not in kw and "text_config" in ast.unparse(
+                    kw.get("hf_config", ast.Constant(None))
+                )
     return None
 
 
@@ -364,8 +399,14 @@ def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choi
     if key is None:
         return Derived(arch, module, False, why=f"{module}.py has no class {cls}")
     if not index.has_base(key, "SupportsEagle3"):
-        return Derived(arch, module, False, why=f"{cls} does not implement SupportsEagle3", v2_default_dense=v2[0],
-                       v2_default_moe=v2[1])
+        return Derived(
+            arch,
+            module,
+            False,
+            why=f"{cls} does not implement SupportsEagle3",
+            v2_default_dense=v2[0],
+            v2_default_moe=v2[1],
+        )
     made: list[StandInModel] = []
     try:
         root = _VllmModel(index, key, N, made)
@@ -373,18 +414,43 @@ def derive_architecture(index: CodeIndex, arch: str, module: str, cls: str, choi
         default_ids = getattr(root, DEFAULT_IDS[0], None) or getattr(root, DEFAULT_IDS[1])
         default = tuple(int(i) for i in default_ids())
     except Exception as e:
-        return Derived(arch, module, False, why=f"{cls}'s EAGLE-3 interface raises on the stand-in: {type(e).__name__}: {e}")
+        return Derived(
+            arch, module, False, why=f"{cls}'s EAGLE-3 interface raises on the stand-in: {type(e).__name__}: {e}"
+        )
     owner = next((o for o in made if "aux_hidden_state_layers" in o.__dict__), None)
     if owner is None:
         return Derived(arch, module, False, why=f"{cls}.set_aux_hidden_state_layers stored no aux_hidden_state_layers")
     if tuple(owner.__dict__["aux_hidden_state_layers"]) != tuple(IDS):
-        return Derived(arch, module, False, why=f"{cls} stores ids {IDS} as {owner.__dict__['aux_hidden_state_layers']}")
+        return Derived(
+            arch, module, False, why=f"{cls} stores ids {IDS} as {owner.__dict__['aux_hidden_state_layers']}"
+        )
     if isinstance(owner, _CheckpointTextModel):  # the ids reach the text model unchanged; it captures by its own row
-        return Derived(arch, module, True, None, False, default, v2[0], v2[1],
-                       f"vllm/model_executor/models/{module}.py {cls}", TEXT_MODEL_WHY, text_model=True)
+        return Derived(
+            arch,
+            module,
+            True,
+            None,
+            False,
+            default,
+            v2[0],
+            v2[1],
+            f"vllm/model_executor/models/{module}.py {cls}",
+            TEXT_MODEL_WHY,
+            text_model=True,
+        )
     reach = capture_range(index, owner._key, "aux_hidden_state_layers")
-    return Derived(arch, module, True, reach.embedding, reach.final, default, v2[0], v2[1],
-                   f"vllm/model_executor/models/{module}.py {cls}", reach.why)
+    return Derived(
+        arch,
+        module,
+        True,
+        reach.embedding,
+        reach.final,
+        default,
+        v2[0],
+        v2[1],
+        f"vllm/model_executor/models/{module}.py {cls}",
+        reach.why,
+    )
 
 
 def derive(code: ReleasedCode) -> Release:

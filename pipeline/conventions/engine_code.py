@@ -34,8 +34,8 @@ class ReleasedCode:
 
     engine: str
     version: str
-    origin: str                      # wheel file name or installed directory, for citations
-    sha256: str | None               # of the wheel; None for an installed package
+    origin: str  # wheel file name or installed directory, for citations
+    sha256: str | None  # of the wheel; None for an installed package
     _files: dict[str, str] = field(default_factory=dict, repr=False)
     _zip: zipfile.ZipFile | None = field(default=None, repr=False)
     _root: Path | None = field(default=None, repr=False)
@@ -79,8 +79,8 @@ class ReleasedCode:
 
 @dataclass
 class ClassInfo:
-    key: str                         # "pkg.module:Class"
-    path: str                        # file inside the package
+    key: str  # "pkg.module:Class"
+    path: str  # file inside the package
     node: ast.ClassDef
     base_keys: list[str]
 
@@ -105,7 +105,7 @@ class CodeIndex:
     def __init__(self, code: ReleasedCode, *prefixes: str):
         self.code, self.prefix = code, prefixes[0]
         self.trees: dict[str, ast.Module] = {}
-        self.imports: dict[str, dict[str, str]] = {}      # module -> local name -> "module:Name"
+        self.imports: dict[str, dict[str, str]] = {}  # module -> local name -> "module:Name"
         self.classes: dict[str, ClassInfo] = {}
         self.module_path: dict[str, str] = {}
         self._compiled: dict[tuple[int, int], typing.Callable] = {}
@@ -124,8 +124,9 @@ class CodeIndex:
             for node in tree.body:
                 if isinstance(node, ast.ClassDef):
                     bases = [k for b in node.bases if (k := self.resolve(module, b))]
-                    self.classes[f"{module}:{node.name}"] = ClassInfo(f"{module}:{node.name}", self.module_path[module],
-                                                                      node, bases)
+                    self.classes[f"{module}:{node.name}"] = ClassInfo(
+                        f"{module}:{node.name}", self.module_path[module], node, bases
+                    )
 
     def source(self, module: str) -> str:
         return self.code.text(self.module_path[module]) or ""
@@ -155,6 +156,7 @@ class CodeIndex:
             out.append(info)
             for b in info.base_keys:
                 walk(b)
+
         walk(key)
         return out
 
@@ -186,8 +188,12 @@ class CodeIndex:
                             if found in self.classes:
                                 return found
                 # ``self.language_model: Gemma4ForCausalLM = init_vllm_registered_model(...)``
-                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Attribute) and \
-                        node.target.attr == attr and getattr(node.target.value, "id", "") == "self":
+                if (
+                    isinstance(node, ast.AnnAssign)
+                    and isinstance(node.target, ast.Attribute)
+                    and node.target.attr == attr
+                    and getattr(node.target.value, "id", "") == "self"
+                ):
                     ann = node.annotation
                     if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
                         ann = ast.Name(ann.value)
@@ -258,7 +264,7 @@ def _imports(tree: ast.Module, module: str, package: bool = False) -> dict[str, 
             base = node.module
             if node.level:  # relative import: from a package's __init__, "." is the package itself
                 parts = module.split(".")
-                parts = parts[:len(parts) - node.level + (1 if package else 0)]
+                parts = parts[: len(parts) - node.level + (1 if package else 0)]
                 base = ".".join([*parts, node.module])
             for a in node.names:
                 out[a.asname or a.name] = f"{base}:{a.name}"
@@ -307,8 +313,12 @@ class StandInGlobals(dict):
 def _released_class(name: str, key: str | None) -> type:
     class Check(type):
         def __instancecheck__(cls, obj) -> bool:
-            return isinstance(obj, StandInModel) and obj._key is not None and any(
-                i.name == name for i in obj._index.mro(obj._key))
+            return (
+                isinstance(obj, StandInModel)
+                and obj._key is not None
+                and any(i.name == name for i in obj._index.mro(obj._key))
+            )
+
     return Check(name, (), {})
 
 
@@ -358,6 +368,6 @@ class StandInModel:
 def _parameter_defaults(fn: ast.FunctionDef) -> dict[str, ast.expr]:
     args = fn.args
     positional = args.posonlyargs + args.args
-    out = {a.arg: d for a, d in zip(positional[len(positional) - len(args.defaults):], args.defaults, strict=True)}
+    out = {a.arg: d for a, d in zip(positional[len(positional) - len(args.defaults) :], args.defaults, strict=True)}
     out.update({a.arg: d for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True) if d is not None})
     return out

@@ -26,7 +26,11 @@ def decoder_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
 
 
 def hook_capture_point(
-    layers: torch.nn.ModuleList, norm: torch.nn.Module, point: CapturePoint, store: dict, key,
+    layers: torch.nn.ModuleList,
+    norm: torch.nn.Module,
+    point: CapturePoint,
+    store: dict,
+    key,
 ):
     """Register the forward hook that puts ``point`` into ``store[key]`` on every forward."""
     n = len(layers)
@@ -40,8 +44,8 @@ def hook_capture_point(
     k = boundary(point, n)
     if k is None:  # final post-norm: what the LM head reads
         return norm.register_forward_hook(save_output)
-    if k == n:     # r_N: the final norm's input
+    if k == n:  # r_N: the final norm's input
         return norm.register_forward_pre_hook(save_input, with_kwargs=True)
-    if k == 0:     # r_0: what enters layer 0 (after any embedding scaling)
+    if k == 0:  # r_0: what enters layer 0 (after any embedding scaling)
         return layers[0].register_forward_pre_hook(save_input, with_kwargs=True)
     return layers[k - 1].register_forward_hook(save_output)  # r_k = o_{k-1}: output of layer k-1

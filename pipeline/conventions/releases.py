@@ -44,19 +44,30 @@ IdRule = Literal["plus_one", "first_is_one", "max_is_n", "as_is", "ignored"]
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 # Where each key a rule may read lives in a draft config.json.
 KEY_PATHS: dict[str, tuple[str, ...]] = {
-    "top": (AUX_KEY,), "nested": ("eagle_config", AUX_KEY), "dflash": ("dflash_config", "target_layer_ids"),
-    "target_layer_ids": ("target_layer_ids",), "layer_ids": ("eagle_config", "layer_ids"),
-    "dspark": ("dspark_target_layer_ids",)}
+    "top": (AUX_KEY,),
+    "nested": ("eagle_config", AUX_KEY),
+    "dflash": ("dflash_config", "target_layer_ids"),
+    "target_layer_ids": ("target_layer_ids",),
+    "layer_ids": ("eagle_config", "layer_ids"),
+    "dspark": ("dspark_target_layer_ids",),
+}
 WRITABLE_KEYS = ("top", "nested")  # what Strata writes; the rest are other tools' keys engines fall back to
 NEWEST = "newest"
 TABLE = Path(__file__).with_name("rules.json")
 # config.json files without ``architectures`` (hand-made): the class each engine registers for
 # the model type. Every saved HF config has ``architectures``, which is what the engines use.
-ARCH_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                      "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                      "kimi_k2": "DeepseekV3ForCausalLM", "kimi_k25": "KimiK25ForConditionalGeneration",
-                      "gpt_oss": "GptOssForCausalLM"}
+ARCH_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_k25": "KimiK25ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
+}
 
 
 class ConventionError(UnusableInput):
@@ -81,24 +92,24 @@ class ReadingRule:
 
     engine: Engine
     architecture: str
-    module: str                     # the engine's model file (without .py)
-    first: str                      # first release this rule covers
-    last: str                       # last release derived (inclusive; .postN builds of it too)
-    serves: bool                    # can this release serve EAGLE-3 for the architecture at all?
+    module: str  # the engine's model file (without .py)
+    first: str  # first release this rule covers
+    last: str  # last release derived (inclusive; .postN builds of it too)
+    serves: bool  # can this release serve EAGLE-3 for the architecture at all?
     id_rule: IdRule | None
-    keys: tuple[str, ...]           # keys read, in precedence order (KEY_PATHS)
+    keys: tuple[str, ...]  # keys read, in precedence order (KEY_PATHS)
     key_shifts: tuple[tuple[str, int], ...]  # what the engine adds to ids read under a key
-    default_shift: int              # absent ids: [2, N//2, N-3] + shift
-    embedding: bool | None          # r_0 capturable (None: not derived)
-    final: bool                     # r_N (pre-norm final) capturable
+    default_shift: int  # absent ids: [2, N//2, N-3] + shift
+    embedding: bool | None  # r_0 capturable (None: not derived)
+    final: bool  # r_N (pre-norm final) capturable
     repeated: Literal["merge", "raise"]
     empty: Literal["default", "none"]  # ids == []: the default, or nothing captured
-    use_aux_flag: bool              # honours eagle_config.use_aux_hidden_state: false
-    source: str                     # released file and function the rule was derived from
-    why: str = ""                   # why it cannot serve, or what was not derived
-    runner: Runner | None = None    # vLLM only
+    use_aux_flag: bool  # honours eagle_config.use_aux_hidden_state: false
+    source: str  # released file and function the rule was derived from
+    why: str = ""  # why it cannot serve, or what was not derived
+    runner: Runner | None = None  # vLLM only
     gpu_default: tuple[bool, bool] | None = None  # V2 rows: a GPU picks V2 for a (dense, MoE) target
-    text_model: bool = False        # a wrapper handing the ids to the architecture its text_config names
+    text_model: bool = False  # a wrapper handing the ids to the architecture its text_config names
 
     def covers(self, version: str) -> bool:
         return release_tuple(self.first) <= release_tuple(version) <= release_tuple(self.last)
@@ -126,15 +137,31 @@ def _load(path: Path = TABLE) -> tuple[ReadingRule, ...]:
     if not path.exists():  # only while deriving the first table: every lookup then finds no rule
         return ()
     table = json.loads(path.read_text())
-    return tuple(ReadingRule(
-        engine=r["engine"], architecture=r["architecture"], module=r["module"], first=r["first"], last=r["last"],
-        serves=r["serves"], id_rule=r["id_rule"], keys=tuple(r["keys"]),
-        key_shifts=tuple(sorted(r["key_shifts"].items())), default_shift=r["default_shift"],
-        embedding=r["embedding"], final=r["final"], repeated=r["repeated"], empty=r["empty"],
-        use_aux_flag=r["use_aux_flag"], source=r["source"], why=r["why"], runner=r["runner"],
-        gpu_default=(r["gpu_default"]["dense"], r["gpu_default"]["moe"]) if r["gpu_default"] else None,
-        text_model=r.get("text_model", False))
-        for r in table["rules"])
+    return tuple(
+        ReadingRule(
+            engine=r["engine"],
+            architecture=r["architecture"],
+            module=r["module"],
+            first=r["first"],
+            last=r["last"],
+            serves=r["serves"],
+            id_rule=r["id_rule"],
+            keys=tuple(r["keys"]),
+            key_shifts=tuple(sorted(r["key_shifts"].items())),
+            default_shift=r["default_shift"],
+            embedding=r["embedding"],
+            final=r["final"],
+            repeated=r["repeated"],
+            empty=r["empty"],
+            use_aux_flag=r["use_aux_flag"],
+            source=r["source"],
+            why=r["why"],
+            runner=r["runner"],
+            gpu_default=(r["gpu_default"]["dense"], r["gpu_default"]["moe"]) if r["gpu_default"] else None,
+            text_model=r.get("text_model", False),
+        )
+        for r in table["rules"]
+    )
 
 
 RULES: tuple[ReadingRule, ...] = _load()
@@ -154,13 +181,19 @@ def architecture(engine: Engine, target_config: dict, override: str | None = "au
             return override
         in_module = list(dict.fromkeys(r.architecture for r in known if r.module == override))
         # the model file's own class first (llama -> LlamaForCausalLM, not AquilaForCausalLM)
-        in_module.sort(key=lambda a: (not a.lower().startswith(override.replace("_", "") + "for"),
-                                      a not in ARCH_OF_MODEL_TYPE.values()))
+        in_module.sort(
+            key=lambda a: (
+                not a.lower().startswith(override.replace("_", "") + "for"),
+                a not in ARCH_OF_MODEL_TYPE.values(),
+            )
+        )
         if in_module:
             own = [a for a in target_config.get("architectures") or [] if a in in_module]
             return (own or in_module)[0]
-        raise UnknownRelease(f"no {engine} rule is known for {override!r}: give an architecture or model file "
-                             f"the table has ({', '.join(sorted({r.module for r in known}))})")
+        raise UnknownRelease(
+            f"no {engine} rule is known for {override!r}: give an architecture or model file "
+            f"the table has ({', '.join(sorted({r.module for r in known}))})"
+        )
     names = list(target_config.get("architectures") or [])
     text = target_config.get("text_config") or {}
     # A config without architectures (hand-made): its model type, or its text model's. Never a named
@@ -175,7 +208,8 @@ def architecture(engine: Engine, target_config: dict, override: str | None = "au
         f"no {engine} rule is known for architecture {', '.join(names) or '(config.json names none)'}: "
         f"{engine} cannot serve EAGLE-3 for it in any derived release ({', '.join(derived_releases(engine)[::-1][:1])} "
         f"the newest), or it is newer than the table: run python -m pipeline.conventions.derive --all --write, or "
-        f"set serving.engine_family to the architecture whose model file serves it")
+        f"set serving.engine_family to the architecture whose model file serves it"
+    )
 
 
 def _text_model(engine: Engine, name: str, target_config: dict, known: list[ReadingRule]) -> str:
@@ -192,13 +226,17 @@ def _text_model(engine: Engine, name: str, target_config: dict, known: list[Read
         inner = [ARCH_OF_MODEL_TYPE[mt]]
     found = next((a for a in inner if any(r.architecture == a and r.serves for r in known)), None)
     if found is None:
-        raise UnknownRelease(f"{name} hands the draft's ids to the language model its text_config names "
-                             f"({', '.join(inner) or 'none named'}), and no {engine} rule is known for that: set "
-                             "serving.engine_family to the text model's architecture")
+        raise UnknownRelease(
+            f"{name} hands the draft's ids to the language model its text_config names "
+            f"({', '.join(inner) or 'none named'}), and no {engine} rule is known for that: set "
+            "serving.engine_family to the text model's architecture"
+        )
     shifts = {r.default_shift for r in wrapper} | {r.default_shift for r in known if r.architecture == found}
     if len(shifts) > 1:
-        raise UnknownRelease(f"{name}'s default ids and its text model {found}'s differ in the derived table: "
-                             "give the ids in the draft config and set serving.engine_family to " + found)
+        raise UnknownRelease(
+            f"{name}'s default ids and its text model {found}'s differ in the derived table: "
+            "give the ids in the draft config and set serving.engine_family to " + found
+        )
     return found
 
 
@@ -224,32 +262,35 @@ def rule_for(engine: Engine, version: str, arch: str, runner: Runner | None = No
     if engine == "vllm" and runner is None:
         runner = "v1"
     arch = _resolve(engine, arch)
-    found = [r for r in RULES if r.engine == engine and r.architecture == arch and r.runner == runner
-             and r.covers(version)]
+    found = [
+        r for r in RULES if r.engine == engine and r.architecture == arch and r.runner == runner and r.covers(version)
+    ]
     if not found:
         raise UnknownRelease(
             f"no reading rule is known for {engine} {version} ({arch}{', ' + runner + ' runner' if runner else ''}); "
             f"known: {'; '.join(known_ranges(engine, arch)) or 'none for this architecture'}. Validate with a known "
             "release (or through the installed engine, which measures what it feeds), or derive that release: "
-            f"python -m pipeline.conventions.derive --engine {engine} --release {version}")
+            f"python -m pipeline.conventions.derive --engine {engine} --release {version}"
+        )
     return found[0]
 
 
 def _resolve(engine: Engine, arch: str) -> str:
     """An architecture the table has, or the one a model file name (``llama``) stands for."""
-    return arch if any(r.engine == engine and r.architecture == arch for r in RULES) else \
-        architecture(engine, {}, arch)
+    return arch if any(r.engine == engine and r.architecture == arch for r in RULES) else architecture(engine, {}, arch)
 
 
 def is_moe(target_config: dict) -> bool:
     """Does the target route tokens to experts (what vLLM's runner choice asks)?"""
     cfg = {**target_config, **(target_config.get("text_config") or {})}
-    return any((cfg.get(k) or 0) > 0 for k in ("n_routed_experts", "num_experts", "num_local_experts",
-                                                  "moe_num_experts"))
+    return any(
+        (cfg.get(k) or 0) > 0 for k in ("n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts")
+    )
 
 
-def runners_for(version: str, runner: Literal["auto", "v1", "v2"], arch: str = "LlamaForCausalLM",
-                moe: bool = False) -> list[Runner]:
+def runners_for(
+    version: str, runner: Literal["auto", "v1", "v2"], arch: str = "LlamaForCausalLM", moe: bool = False
+) -> list[Runner]:
     """The vLLM runners a deployment may run on: ``auto`` = V1, and V2 where the release's own
     runner choice picks it on a GPU for this architecture (dense or MoE)."""
     if runner != "auto":
@@ -284,8 +325,10 @@ def ids_in_config(rule: ReadingRule, config: dict) -> tuple[list[int] | None, st
     if not rule.serves:
         raise ConventionError(f"{rule.name} cannot serve EAGLE-3: {rule.why} ({rule.source})")
     if rule.use_aux_flag and (config.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
-        raise ConventionError(f"the draft config sets eagle_config.use_aux_hidden_state: false, so {rule.name} feeds "
-                              "the draft no aux hidden states at all: remove it (an EAGLE-3 draft reads them)")
+        raise ConventionError(
+            f"the draft config sets eagle_config.use_aux_hidden_state: false, so {rule.name} feeds "
+            "the draft no aux hidden states at all: remove it (an EAGLE-3 draft reads them)"
+        )
     if rule.id_rule == "ignored":
         return None, f"default ({rule.name} ignores the draft's ids)"
     for key in rule.keys:
@@ -327,24 +370,36 @@ def boundaries_read(rule: ReadingRule, ids: Sequence[int] | None, n: int) -> lis
     ids = [int(i) for i in ids]
     if not ids:
         if rule.empty == "none":
-            raise ConventionError(f"{rule.name} reads the empty id list [] as 'capture nothing' (not as absent): "
-                                  "the draft would get no aux states; write the ids, or drop the key for the default")
+            raise ConventionError(
+                f"{rule.name} reads the empty id list [] as 'capture nothing' (not as absent): "
+                "the draft would get no aux states; write the ids, or drop the key for the default"
+            )
         return default_boundaries(rule, n)
-    if rule.id_rule == "as_is" or (rule.id_rule == "first_is_one" and ids[0] != 1) or (
-            rule.id_rule == "max_is_n" and max(ids) == n):
+    if (
+        rule.id_rule == "as_is"
+        or (rule.id_rule == "first_is_one" and ids[0] != 1)
+        or (rule.id_rule == "max_is_n" and max(ids) == n)
+    ):
         rs = ids
     else:
         rs = [i + 1 for i in ids]
     if rule.repeated == "raise" and len(set(rs)) < len(rs):
-        raise ConventionError(f"{rule.name} fails at startup on repeated ids {ids}: its collector is sized by the list "
-                              f"and receives fewer states ({rule.source}); write each layer once")
+        raise ConventionError(
+            f"{rule.name} fails at startup on repeated ids {ids}: its collector is sized by the list "
+            f"and receives fewer states ({rule.source}); write each layer once"
+        )
     bad = sorted({k for k in rs if not rule.lowest() <= k <= rule.highest(n)})
     if bad:
-        unknown = " (whether it captures the embedding was not derived: " + rule.why + ")" \
-            if rule.embedding is None and 0 in bad else ""
-        raise ConventionError(f"{rule.name} reads ids {ids} as {', '.join(describe(k, n) for k in bad)}, which it "
-                              f"cannot capture (it captures r_{rule.lowest()}..r_{rule.highest(n)}; {rule.source})"
-                              f"{unknown}")
+        unknown = (
+            " (whether it captures the embedding was not derived: " + rule.why + ")"
+            if rule.embedding is None and 0 in bad
+            else ""
+        )
+        raise ConventionError(
+            f"{rule.name} reads ids {ids} as {', '.join(describe(k, n) for k in bad)}, which it "
+            f"cannot capture (it captures r_{rule.lowest()}..r_{rule.highest(n)}; {rule.source})"
+            f"{unknown}"
+        )
     return sorted(set(rs))
 
 
@@ -369,8 +424,10 @@ def ids_to_write(rule: ReadingRule, rs: Sequence[int], n: int) -> list[int]:
     if not rule.serves:
         raise ConventionError(f"{rule.name} cannot serve EAGLE-3: {rule.why} ({rule.source})")
     if rs != sorted(set(rs)):
-        raise ConventionError(f"{rule.engine} feeds aux states in ascending layer order, each once: the draft's slots "
-                              f"({'; '.join(describe(k, n) for k in rs)}) must be ascending and distinct")
+        raise ConventionError(
+            f"{rule.engine} feeds aux states in ascending layer order, each once: the draft's slots "
+            f"({'; '.join(describe(k, n) for k in rs)}) must be ascending and distinct"
+        )
     if rule.id_rule == "ignored":
         candidates: list[list[int]] = [[]]
     elif rule.id_rule == "as_is":
@@ -384,8 +441,14 @@ def ids_to_write(rule: ReadingRule, rs: Sequence[int], n: int) -> list[int]:
                 return ids
         except ConventionError as e:
             errors.append(str(e))
-    why = errors[0] if errors else (f"it reads every list it could be given as other layers "
-                                    f"(default {[f'r_{k}' for k in default_boundaries(rule, n)]})")
+    why = (
+        errors[0]
+        if errors
+        else (
+            f"it reads every list it could be given as other layers "
+            f"(default {[f'r_{k}' for k in default_boundaries(rule, n)]})"
+        )
+    )
     raise ConventionError(f"no id list makes {rule.name} feed {', '.join(describe(k, n) for k in rs)}: {why}")
 
 
@@ -433,6 +496,9 @@ def known_releases_markdown() -> str:
         archs = sorted({r.architecture for r in RULES if r.engine == engine and r.serves})
         runners = " (V1 and Model Runner V2)" if engine == "vllm" else ""
         parts.append(f"{name} {rels[0]}-{rels[-1]}: {len(archs)} architectures{runners}")
-    return ("Known releases, derived from the released wheels (`pipeline/conventions/rules.json`): "
-            + "; ".join(parts) + ". `python -m pipeline.conventions.derive --all --write` rebuilds the table; "
-            "a release or architecture outside it is measured where the engine runs, else refused.")
+    return (
+        "Known releases, derived from the released wheels (`pipeline/conventions/rules.json`): "
+        + "; ".join(parts)
+        + ". `python -m pipeline.conventions.derive --all --write` rebuilds the table; "
+        "a release or architecture outside it is measured where the engine runs, else refused."
+    )

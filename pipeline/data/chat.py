@@ -42,9 +42,7 @@ class ChatEncoder:
         self.control = [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.content]
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         full = self.render(messages)
@@ -69,8 +67,10 @@ class ChatEncoder:
             at = text.find(m["content"], pos)
             if at < 0:
                 if any(c in m["content"] for c in self.control):
-                    raise BadRow(f"turn {i}: content holds control-token text and the chat template rewrites it, so "
-                                 "it cannot be kept as plain text")
+                    raise BadRow(
+                        f"turn {i}: content holds control-token text and the chat template rewrites it, so "
+                        "it cannot be kept as plain text"
+                    )
                 continue
             pos = at + len(m["content"])
             if any(c in m["content"] for c in self.control):
@@ -89,8 +89,9 @@ class ChatEncoder:
         for a, b, as_text in pieces:
             if a == b:
                 continue
-            enc = self.tokenizer(text[a:b], add_special_tokens=False, return_offsets_mapping=True,
-                                 split_special_tokens=as_text)
+            enc = self.tokenizer(
+                text[a:b], add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=as_text
+            )
             ids += enc["input_ids"]
             offsets += [(x + a, y + a) for x, y in enc["offset_mapping"]]
         return ids, offsets

@@ -7,8 +7,13 @@ import json
 from dataclasses import dataclass
 
 ROLE_ALIASES = {
-    "user": "user", "human": "user",
-    "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "model": "assistant", "bing": "assistant",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
     "system": "system",
 }
 
@@ -22,8 +27,8 @@ class BadRow(ValueError):
 
 @dataclass(frozen=True)
 class Conversation:
-    messages: list[dict]     # [{"role": user|assistant|system, "content": str}, ...]
-    content_sha256: str      # digest of the row's canonical JSON
+    messages: list[dict]  # [{"role": user|assistant|system, "content": str}, ...]
+    content_sha256: str  # digest of the row's canonical JSON
 
 
 def content_digest(obj: object) -> str:
@@ -31,8 +36,10 @@ def content_digest(obj: object) -> str:
     try:
         return hashlib.sha256(canon.encode()).hexdigest()
     except UnicodeEncodeError as e:  # a lone surrogate escape such as "\ud800": not Unicode text
-        raise BadRow(f"text contains {canon[e.start:e.end].encode('unicode_escape').decode()}, a lone surrogate "
-                     "that is not valid Unicode") from None
+        raise BadRow(
+            f"text contains {canon[e.start : e.end].encode('unicode_escape').decode()}, a lone surrogate "
+            "that is not valid Unicode"
+        ) from None
 
 
 def row_digest(data: bytes) -> str:
@@ -88,8 +95,10 @@ def parse_row(data: bytes) -> Conversation:
             try:
                 content.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise BadRow(f"turn {i}: content contains {content[e.start:e.end].encode('unicode_escape').decode()}, "
-                             "a lone surrogate that is not valid Unicode") from None
+                raise BadRow(
+                    f"turn {i}: content contains {content[e.start : e.end].encode('unicode_escape').decode()}, "
+                    "a lone surrogate that is not valid Unicode"
+                ) from None
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("no assistant turn: nothing to train on")

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RawRow:
-    row: int         # 0-based index in the source
-    data: bytes      # one JSONL line, or a Parquet row re-encoded as JSON
+    row: int  # 0-based index in the source
+    data: bytes  # one JSONL line, or a Parquet row re-encoded as JSON
 
 
 @dataclass
@@ -83,14 +83,17 @@ def _parquet_rows(uri: str, blob: bytes) -> list[RawRow]:
         raise ValueError(f"source.uri {uri!r}: not a readable Parquet file: {e}") from None
     keep = [c for c in CONVERSATION_COLUMNS if c in table.column_names]
     if not keep:
-        raise ValueError(f"source.uri {uri!r}: no {' or '.join(CONVERSATION_COLUMNS)} column; it has "
-                         f"{table.column_names}")
+        raise ValueError(
+            f"source.uri {uri!r}: no {' or '.join(CONVERSATION_COLUMNS)} column; it has {table.column_names}"
+        )
     rows = []
     for i, r in enumerate(_iter_rows(table.select(keep))):
         try:
             rows.append(RawRow(i, json.dumps(r, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass")))
         except (TypeError, ValueError) as e:  # a conversation field holding non-JSON values: that row is bad
-            rows.append(RawRow(i, json.dumps({UNREADABLE: f"not JSON-representable: {type(e).__name__}: {e}"}).encode()))
+            rows.append(
+                RawRow(i, json.dumps({UNREADABLE: f"not JSON-representable: {type(e).__name__}: {e}"}).encode())
+            )
     return rows
 
 
@@ -110,7 +113,10 @@ def regeneration_of(source_uri: str, source_sha256: str, s3=None) -> dict | None
         return None
     rec = RegenerationRecord.model_validate_json(read_bytes(fs, join(root, RECORD_FILE)))
     if rec.output_sha256 != source_sha256:
-        log.warning("%s: %s does not describe this file (it changed after regeneration); not recorded as "
-                    "regenerated", source_uri, RECORD_FILE)
+        log.warning(
+            "%s: %s does not describe this file (it changed after regeneration); not recorded as regenerated",
+            source_uri,
+            RECORD_FILE,
+        )
         return None
     return rec.model_dump(mode="json", exclude={"quarantine"})

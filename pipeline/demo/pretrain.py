@@ -53,9 +53,9 @@ class PretrainRecipe:
     lr: float = 3e-3
     warmup_steps: int = 20
     heldout_fraction: float = 0.05
-    conversation_repeats: int = 6   # the draft is trained on the conversations: weight them up
-    threads: int = 2                # fixed: CPU matmul reductions depend on the thread count
-    arch: str = "llama"             # or deepseek_v3 (pipeline.demo.tiny.ARCHS)
+    conversation_repeats: int = 6  # the draft is trained on the conversations: weight them up
+    threads: int = 2  # fixed: CPU matmul reductions depend on the thread count
+    arch: str = "llama"  # or deepseek_v3 (pipeline.demo.tiny.ARCHS)
 
 
 def cache_root() -> Path:
@@ -67,7 +67,6 @@ def cache_root() -> Path:
 def _source_pieces(max_chars: int = 3000) -> list[tuple[str, str]]:
     """The stdlib modules' own source files, cut at line boundaries into pieces (documents)."""
     import importlib
-
 
     out = []
     for name in DOC_MODULES:
@@ -91,8 +90,10 @@ def _source_pieces(max_chars: int = 3000) -> list[tuple[str, str]]:
 
 def corpus_documents(tok) -> list[tuple[str, str]]:
     """(document id, text): stdlib source pieces, then the demo conversations in the chat template."""
-    convs = [(f"conv:{i}", tok.apply_chat_template(c["messages"], tokenize=False))
-             for i, c in enumerate(make_conversations())]
+    convs = [
+        (f"conv:{i}", tok.apply_chat_template(c["messages"], tokenize=False))
+        for i, c in enumerate(make_conversations())
+    ]
     return _source_pieces() + convs
 
 
@@ -112,8 +113,17 @@ def cache_key(recipe: PretrainRecipe, docs: list[tuple[str, str]]) -> str:
     import torch
     import transformers
 
-    h = hashlib.sha256(json.dumps({"recipe": asdict(recipe), "v": _RECIPE_VERSION, "torch": torch.__version__,
-                                   "transformers": transformers.__version__}, sort_keys=True).encode())
+    h = hashlib.sha256(
+        json.dumps(
+            {
+                "recipe": asdict(recipe),
+                "v": _RECIPE_VERSION,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            sort_keys=True,
+        ).encode()
+    )
     for doc_id, text in docs:
         h.update(doc_id.encode() + b"\0" + text.encode() + b"\0")
     return h.hexdigest()
@@ -167,9 +177,15 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], key: str) -> None:
     import torch
 
-
-    make_tiny_target(out, recipe.num_layers, recipe.hidden_size, vocab_size=recipe.vocab_size, seed=recipe.seed,
-                     peaked_head=False, arch=recipe.arch)
+    make_tiny_target(
+        out,
+        recipe.num_layers,
+        recipe.hidden_size,
+        vocab_size=recipe.vocab_size,
+        seed=recipe.seed,
+        peaked_head=False,
+        arch=recipe.arch,
+    )
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -187,8 +203,10 @@ def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], ke
     rng.shuffle(train_docs)
     train, held = _blocks(train_docs, recipe.seq_len, eos), _blocks(held_docs, recipe.seq_len, eos)
     if not held or len(train) < recipe.batch_size:
-        raise ValueError(f"pretrain corpus too small: {len(train)} train / {len(held)} held-out blocks of "
-                         f"{recipe.seq_len + 1} tokens")
+        raise ValueError(
+            f"pretrain corpus too small: {len(train)} train / {len(held)} held-out blocks of "
+            f"{recipe.seq_len + 1} tokens"
+        )
 
     threads = torch.get_num_threads()
     torch.set_num_threads(recipe.threads)
@@ -201,14 +219,28 @@ def _pretrain(out: Path, recipe: PretrainRecipe, docs: list[tuple[str, str]], ke
         torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)
     weights = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
-    record = {"cache_key": key, "recipe": asdict(recipe), "weights_sha256": weights,
-              "corpus": {"documents": len(docs), "train_blocks": len(train), "heldout_blocks": len(held),
-                         "train_tokens_per_epoch": len(train) * recipe.seq_len, "conversations_in_train": n_conv},
-              **stats}
+    record = {
+        "cache_key": key,
+        "recipe": asdict(recipe),
+        "weights_sha256": weights,
+        "corpus": {
+            "documents": len(docs),
+            "train_blocks": len(train),
+            "heldout_blocks": len(held),
+            "train_tokens_per_epoch": len(train) * recipe.seq_len,
+            "conversations_in_train": n_conv,
+        },
+        **stats,
+    }
     (out / RECORD).write_text(json.dumps(record, indent=1))
-    log.info("trained tiny target: loss %.3f -> %.3f, held-out perplexity %.1f (unigram %.1f), next-token acc %.2f",
-             stats["train_loss"][0][1], stats["train_loss"][-1][1], stats["heldout_perplexity"],
-             stats["unigram_perplexity"], stats["heldout_next_token_accuracy"])
+    log.info(
+        "trained tiny target: loss %.3f -> %.3f, held-out perplexity %.1f (unigram %.1f), next-token acc %.2f",
+        stats["train_loss"][0][1],
+        stats["train_loss"][-1][1],
+        stats["heldout_perplexity"],
+        stats["unigram_perplexity"],
+        stats["heldout_next_token_accuracy"],
+    )
 
 
 def _train(model, blocks: list[list[int]], r: PretrainRecipe, rng: random.Random) -> dict:
@@ -244,8 +276,11 @@ def _train(model, blocks: list[list[int]], r: PretrainRecipe, rng: random.Random
                 curve.append([step, round(loss.item(), 4)])
                 bar.set_postfix(loss=f"{loss.item():.3f}")
             bar.update(1)
-    return {"train_loss": curve, "train_seconds": round(time.perf_counter() - t0, 1),
-            "train_tokens": r.steps * r.batch_size * r.seq_len}
+    return {
+        "train_loss": curve,
+        "train_seconds": round(time.perf_counter() - t0, 1),
+        "train_tokens": r.steps * r.batch_size * r.seq_len,
+    }
 
 
 def _lm_loss(model, batch):
@@ -278,7 +313,11 @@ def _evaluate(model, train: list[list[int]], held: list[list[int]], r: PretrainR
             hs = conventions.hf_residual_states(out.hidden_states)
             adjacent.append([((b - a).norm() / a.norm()).item() for a, b in zip(hs[:-1], hs[1:], strict=True)])
     per_boundary = [round(sum(col) / len(col), 4) for col in zip(*adjacent, strict=True)]
-    return {"heldout_loss": round(nll / n, 4), "heldout_perplexity": round(math.exp(nll / n), 2),
-            "unigram_perplexity": round(math.exp(uni_nll / n), 2),
-            "heldout_next_token_accuracy": round(hits / n, 4), "heldout_tokens": n,
-            "adjacent_boundary_rel_l2": per_boundary}
+    return {
+        "heldout_loss": round(nll / n, 4),
+        "heldout_perplexity": round(math.exp(nll / n), 2),
+        "unigram_perplexity": round(math.exp(uni_nll / n), 2),
+        "heldout_next_token_accuracy": round(hits / n, 4),
+        "heldout_tokens": n,
+        "adjacent_boundary_rel_l2": per_boundary,
+    }

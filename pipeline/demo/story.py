@@ -60,8 +60,11 @@ def ensure_demo(root: Path = DEMO_ROOT) -> Path:
     root = demo_root(root)
     target, conv, cfg_path = root / "target", root / "conversations.jsonl", root / "extract.yaml"
     if not (target / RECORD).exists():
-        log.info("building the tiny target (12 layers, hidden 128, BPE tokenizer on stdlib docstrings, pretrained "
-                 "on the stdlib's sources and docstring conversations; cached) in %s", target)
+        log.info(
+            "building the tiny target (12 layers, hidden 128, BPE tokenizer on stdlib docstrings, pretrained "
+            "on the stdlib's sources and docstring conversations; cached) in %s",
+            target,
+        )
         trained_tiny_target(target)
     layers = target_identity(target).num_layers
     if not conv.exists():
@@ -167,8 +170,10 @@ def _retarget_handlers(closed, log_path: Path) -> None:
     """Logging handlers created while output went to the log (vLLM binds its handler to the
     sys.stdout of its import) keep writing there, not to the closed file object."""
     late = None
-    loggers = [logging.getLogger(), *(x for x in logging.Logger.manager.loggerDict.values()
-                                      if isinstance(x, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(x for x in logging.Logger.manager.loggerDict.values() if isinstance(x, logging.Logger)),
+    ]
     for lg in loggers:
         for h in lg.handlers:
             if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is closed:
@@ -214,9 +219,11 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
     say("\n== what the misconfiguration would have cost, measured through vLLM on held-out prompts")
     for line in table_lines(bad.cost or {"skipped": "not measured"}):
         say("   " + line)
-    say(f"   the gate blocked it before it was served: {bad.decision.upper()}; production "
+    say(
+        f"   the gate blocked it before it was served: {bad.decision.upper()}; production "
         f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
-        + (f" ({before.artifact_digest[:16]})" if before else ""))
+        + (f" ({before.artifact_digest[:16]})" if before else "")
+    )
     ok = good.decision == "pass" and bad.decision == "block" and unmoved
     if sglang:
         ok = _chapter_sglang(root, registry, say)[0] and ok
@@ -226,12 +233,16 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
 
 def _chapter_target(root: Path, say) -> Path:
     t = time.perf_counter()
-    say("\n== 0/5 target: a tiny Llama (12 layers, hidden 128), pretrained on the Python standard library "
-        "(about two minutes once, then cached)")
+    say(
+        "\n== 0/5 target: a tiny Llama (12 layers, hidden 128), pretrained on the Python standard library "
+        "(about two minutes once, then cached)"
+    )
     cfg_path = ensure_demo(root)
     rec = json.loads((root / "target" / RECORD).read_text())
-    say(f"   held-out perplexity {rec['heldout_perplexity']:.1f} (a unigram model: {rec['unigram_perplexity']:.0f}), "
-        f"next-token accuracy {rec['heldout_next_token_accuracy']:.2f}  [{time.perf_counter() - t:.0f} s]")
+    say(
+        f"   held-out perplexity {rec['heldout_perplexity']:.1f} (a unigram model: {rec['unigram_perplexity']:.0f}), "
+        f"next-token accuracy {rec['heldout_next_token_accuracy']:.2f}  [{time.perf_counter() - t:.0f} s]"
+    )
     return cfg_path
 
 
@@ -242,17 +253,23 @@ def regenerate_demo(root: Path) -> RegenerationRecord:
 
 def _chapter_extract(cfg_path: Path, say) -> None:
     t = time.perf_counter()
-    say("\n== 1/5 regenerate + extract: the target's own answers (what the draft will be asked to predict), then "
-        "hidden states with per-tensor provenance -> Parquet (Ray actors, local Ray)")
+    say(
+        "\n== 1/5 regenerate + extract: the target's own answers (what the draft will be asked to predict), then "
+        "hidden states with per-tensor provenance -> Parquet (Ray actors, local Ray)"
+    )
     rec = regenerate_demo(cfg_path.parent)
     tt = rec.totals
-    say(f"   regenerated {tt['written']} conversations ({tt['turns']} answers, {tt['generated_tokens']} tokens) with "
-        f"{rec.engine['name']} {rec.engine['version']}, greedy  [{time.perf_counter() - t:.0f} s]")
+    say(
+        f"   regenerated {tt['written']} conversations ({tt['turns']} answers, {tt['generated_tokens']} tokens) with "
+        f"{rec.engine['name']} {rec.engine['version']}, greedy  [{time.perf_counter() - t:.0f} s]"
+    )
     t = time.perf_counter()
     m = run_extract(load_config(cfg_path, ExtractConfig))
-    say(f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
+    say(
+        f"   dataset {m.dataset_id}: {m.totals.rows} samples, {m.totals.tokens} tokens, "
         f"{m.fingerprints['probe_samples'] if m.fingerprints else 0} probe samples held out  "
-        f"[{time.perf_counter() - t:.0f} s]")
+        f"[{time.perf_counter() - t:.0f} s]"
+    )
 
 
 def _chapter_train(root: Path, say) -> Path:
@@ -272,8 +289,10 @@ def _chapter_validate(root: Path, art: Path, serving: dict, reg: Registry, say) 
     good = root / "validate.yaml"
     good.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "correct"), "serving": serving}))
     t = time.perf_counter()
-    say("\n== 3/5 validate through vLLM itself: replay the probe samples, serve the draft with EAGLE-3, "
-        "measure what reaches the draft's input and vLLM's acceptance")
+    say(
+        "\n== 3/5 validate through vLLM itself: replay the probe samples, serve the draft with EAGLE-3, "
+        "measure what reaches the draft's input and vLLM's acceptance"
+    )
     if reg.channel_spec("production") is None:
         reg.create_channel("production", serving_for_channel(str(good)))
     r = run_validate(load_config(good, ValidateConfig).model_copy(update={"registry": str(root / "registry")}))
@@ -289,20 +308,28 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
     trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
     layers = target_identity(root / "target").num_layers
     bad_cfg = conventions.draft_config_feeding(good_cfg, [CapturePoint.embedding(), *trained[:-1]], "vllm", layers)
-    say(f"\n== 5/5 the incident: embedding inserted first, last slot dropped (ids {bad_cfg[conventions.AUX_KEY]} "
-        f"for a draft trained on {good_cfg[conventions.AUX_KEY]})")
+    say(
+        f"\n== 5/5 the incident: embedding inserted first, last slot dropped (ids {bad_cfg[conventions.AUX_KEY]} "
+        f"for a draft trained on {good_cfg[conventions.AUX_KEY]})"
+    )
     (root / "misconfigured-config.json").write_text(json.dumps(bad_cfg, indent=1))
     bad = root / "validate-misconfigured.yaml"
-    bad.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / "misconfigured"),
-                          "serving": {**serving, "draft_config": str(root / "misconfigured-config.json")}}))
+    bad.write_text(
+        _yaml(
+            {
+                "artifact": str(art),
+                "report_dir": str(root / "reports" / "misconfigured"),
+                "serving": {**serving, "draft_config": str(root / "misconfigured-config.json")},
+            }
+        )
+    )
     r = run_validate(load_config(bad, ValidateConfig).model_copy(update={"registry": str(registry)}))
     _say_verdict(say, r)
     say(f"   [{time.perf_counter() - t:.0f} s]")
     return r
 
 
-def _chapter_sglang(root: Path, registry: Path, say, engine=None
-                    ) -> tuple[bool, dict[str, ValidationReport]]:
+def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> tuple[bool, dict[str, ValidationReport]]:
     """The incident's engine: the same draft served by SGLang, first as exported, then with the
     vLLM export's ids copied into SGLang's nested key -- one list, two tools, other tensors.
     ``engine``: an SGLang replay engine already open for the target (kept open). Returns whether
@@ -312,8 +339,10 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None
 
     t = time.perf_counter()
     inst = find_install()
-    say("\n== +1 (--sglang) the incident on SGLang, the engine it happened on: served by SGLang's own server, "
-        "the feed measured at the draft's fc")
+    say(
+        "\n== +1 (--sglang) the incident on SGLang, the engine it happened on: served by SGLang's own server, "
+        "the feed measured at the draft's fc"
+    )
     if inst is None:
         say("   SGLang is not installed: `bash infra/sglang/setup-sglang-cpu.sh .venv-sglang ../shared/vendor`")
         return False, {}
@@ -322,25 +351,44 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None
     copied = json.loads((vllm_art / ARTIFACT_CONFIG).read_text())[conventions.AUX_KEY]
     bad_cfg = {**cfg, "eagle_config": {**cfg["eagle_config"], conventions.AUX_KEY: copied}}
     (root / "misconfigured-sglang-config.json").write_text(json.dumps(bad_cfg, indent=1))
-    serving = {"engine": "sglang", "replay": "engine", "engine_version": inst.version.split("+")[0],
-               "dtype": "bfloat16", "target": {"path": str(root / "target")}}
+    serving = {
+        "engine": "sglang",
+        "replay": "engine",
+        "engine_version": inst.version.split("+")[0],
+        "dtype": "bfloat16",
+        "target": {"path": str(root / "target")},
+    }
     cfgs = {}
-    for name, extra in (("sglang", {}), ("sglang-misconfigured",
-                                         {"draft_config": str(root / "misconfigured-sglang-config.json")})):
+    for name, extra in (
+        ("sglang", {}),
+        ("sglang-misconfigured", {"draft_config": str(root / "misconfigured-sglang-config.json")}),
+    ):
         path = root / f"validate-{name}.yaml"
-        path.write_text(_yaml({"artifact": str(art), "report_dir": str(root / "reports" / name), "cost": False,
-                               "serving": {**serving, **extra}}))
+        path.write_text(
+            _yaml(
+                {
+                    "artifact": str(art),
+                    "report_dir": str(root / "reports" / name),
+                    "cost": False,
+                    "serving": {**serving, **extra},
+                }
+            )
+        )
         cfgs[name] = load_config(path, ValidateConfig).model_copy(update={"registry": str(registry)})
     owned = engine is None
     if owned:
         engine, _ = open_replay_engine(cfgs["sglang"], target_identity(root / "target").num_layers)
     try:
-        say(f"   SGLang {inst.version}, as exported (ids {cfg['eagle_config'][conventions.AUX_KEY]} in "
-            "eagle_config, SGLang's own labelling):")
+        say(
+            f"   SGLang {inst.version}, as exported (ids {cfg['eagle_config'][conventions.AUX_KEY]} in "
+            "eagle_config, SGLang's own labelling):"
+        )
         good = run_validate(cfgs["sglang"], engine)
         _say_verdict(say, good)
-        say(f"   the vLLM export's ids {copied} copied into SGLang's eagle_config (vLLM counts from the embedding, "
-            "SGLang from the first layer's output):")
+        say(
+            f"   the vLLM export's ids {copied} copied into SGLang's eagle_config (vLLM counts from the embedding, "
+            "SGLang from the first layer's output):"
+        )
         bad = run_validate(cfgs["sglang-misconfigured"], engine)
         _say_verdict(say, bad)
     finally:
@@ -352,7 +400,10 @@ def _chapter_sglang(root: Path, registry: Path, say, engine=None
 
 def _say_verdict(say, r) -> None:
     lines = summary(r)
-    keep = [lines[0]] + [x for x in lines[1:] if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report",
-                                                                         "note ", "measured feed"))]
+    keep = [lines[0]] + [
+        x
+        for x in lines[1:]
+        if x.lstrip().startswith(("ok ", "BAD", "acceptance", "- for", "report", "note ", "measured feed"))
+    ]
     for line in keep:
         say("   " + line)

@@ -16,12 +16,15 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|start|>", "<|end|>"]
 
+
 def train_tokenizer(vocab_size: int = 2048):
     """Byte-level BPE trained on local text, wrapped as a HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    corpus = [doc for _, doc in stdlib_docstrings()] + [f"What does `{q}` do? Tell me more." for q, _ in stdlib_docstrings()]
+    corpus = [doc for _, doc in stdlib_docstrings()] + [
+        f"What does `{q}` do? Tell me more." for q, _ in stdlib_docstrings()
+    ]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -76,18 +79,45 @@ def _deepseek_v3_config(tok, num_layers: int, hidden_size: int, num_heads: int |
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
-        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=hidden_size * 2,
-        moe_intermediate_size=max(64, hidden_size // 2 // 32 * 32), num_hidden_layers=num_layers,
-        num_attention_heads=num_heads or max(1, min(4, hidden_size // 64)), num_key_value_heads=None,
-        n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        first_k_dense_replace=1, moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", ep_size=1,
-        kv_lora_rank=128, q_lora_rank=96, qk_rope_head_dim=32, qk_nope_head_dim=64,
-        v_head_dim=64, max_position_embeddings=4096, num_nextn_predict_layers=0,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                         "original_max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "mscale": 1.0, "mscale_all_dim": 1.0},
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.convert_tokens_to_ids("<|end|>"), pad_token_id=tok.pad_token_id,
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        moe_intermediate_size=max(64, hidden_size // 2 // 32 * 32),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads or max(1, min(4, hidden_size // 64)),
+        num_key_value_heads=None,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        ep_size=1,
+        kv_lora_rank=128,
+        q_lora_rank=96,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        max_position_embeddings=4096,
+        num_nextn_predict_layers=0,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 2048,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.convert_tokens_to_ids("<|end|>"),
+        pad_token_id=tok.pad_token_id,
     )
 
 

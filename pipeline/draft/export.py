@@ -57,12 +57,15 @@ def draft_state_dict(model: Eagle3Draft, engine: str = "sglang") -> dict[str, to
     return sd
 
 
-def serving_ids(aux_points: list[CapturePoint], num_layers: int, engine: str, family: str,
-                release: str = conventions.NEWEST) -> list[int]:
+def serving_ids(
+    aux_points: list[CapturePoint], num_layers: int, engine: str, family: str, release: str = conventions.NEWEST
+) -> list[int]:
     """The ids ``engine`` at ``release`` needs to feed ``aux_points``; ExportError if it cannot load or feed them."""
     if not releases.serves_slots(engine, release, len(aux_points)):  # type: ignore[arg-type]
-        raise ExportError(f"{engine} {release} has a fixed three-slot fc; this draft has {len(aux_points)} aux slots. "
-                          f"Servable by: {', '.join(releases.servable_by(len(aux_points)))}")
+        raise ExportError(
+            f"{engine} {release} has a fixed three-slot fc; this draft has {len(aux_points)} aux slots. "
+            f"Servable by: {', '.join(releases.servable_by(len(aux_points)))}"
+        )
     try:
         return conventions.aux_ids_for(aux_points, engine, num_layers, family, release)  # type: ignore[arg-type]
     except conventions.ConventionError as e:
@@ -70,7 +73,12 @@ def serving_ids(aux_points: list[CapturePoint], num_layers: int, engine: str, fa
 
 
 def engine_config(
-    cfg: DraftConfig, aux_points: list[CapturePoint], num_layers: int, engine: str, family: str, dtype: str,
+    cfg: DraftConfig,
+    aux_points: list[CapturePoint],
+    num_layers: int,
+    engine: str,
+    family: str,
+    dtype: str,
     release: str = conventions.NEWEST,
 ) -> dict:
     """config.json for ``engine`` at ``release`` with the aux ids that make it capture exactly
@@ -134,15 +142,20 @@ def export_draft(
         save_file(sd, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / ARTIFACT_CONFIG).write_text(json.dumps(cfg_json, indent=1))
         manifest = DraftArtifactManifest(
-            content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
+            content_digest=content_digest(tmp),
+            serving_engine=engine,  # type: ignore[arg-type]
             engine_family=family if engine == "sglang" else None,
             aux_capture_points=list(aux_points),
             aux_layer_ids=cfg_json.get(conventions.AUX_KEY) or cfg_json["eagle_config"][conventions.AUX_KEY],
             aux_layer_ids_convention=conventions.native_id_convention(engine, family),  # type: ignore[arg-type]
             engine_release=release,
             ids_valid_for=conventions.releases_reading(cfg_json, aux_points, engine, family, n),
-            target=target, dataset_id=dataset_id, dataset_manifest_sha256=dataset_manifest_sha256,
-            draft_config=model.config.to_dict(), training=training or {}, metrics=metrics or {},
+            target=target,
+            dataset_id=dataset_id,
+            dataset_manifest_sha256=dataset_manifest_sha256,
+            draft_config=model.config.to_dict(),
+            training=training or {},
+            metrics=metrics or {},
             fingerprints=_copy_fingerprints(tmp, fingerprints) if fingerprints is not None else None,
         )
         (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))

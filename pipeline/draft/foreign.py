@@ -41,11 +41,11 @@ class ForeignDraft:
     """A draft read from ``directory``: the reference model, and what its config claims."""
 
     directory: Path
-    layout: str                          # "eagle3" (SpecForge's, SGLang's, vLLM's), "speculators", "strata"
+    layout: str  # "eagle3" (SpecForge's, SGLang's, vLLM's), "speculators", "strata"
     model: Eagle3Draft
-    config: dict                         # config.json as written
+    config: dict  # config.json as written
     claimed: dict[str, list[int]] = field(default_factory=dict)  # key -> ids, every key that holds some
-    verifier: str | None = None          # the target the draft names (speculators' verifier)
+    verifier: str | None = None  # the target the draft names (speculators' verifier)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -69,7 +69,8 @@ def _weights(d: Path) -> dict[str, torch.Tensor]:
             raise ForeignDraftError(
                 f"{d}: the weights are a pickle checkpoint ({', '.join(pickles)}); Strata never unpickles (loading a "
                 "pickle runs code from the file). Convert it where you trust it: torch.load then "
-                "safetensors.torch.save_file(state_dict, 'model.safetensors')")
+                "safetensors.torch.save_file(state_dict, 'model.safetensors')"
+            )
         raise ForeignDraftError(f"{d}: no *.safetensors weights")
     out: dict[str, torch.Tensor] = {}
     for f in files:
@@ -103,8 +104,9 @@ def _layer_config(cfg: dict) -> tuple[str, dict, str | None]:
     """(layout, the decoder-layer config, the verifier it names)."""
     if cfg.get("speculators_model_type") is not None:
         if cfg["speculators_model_type"] != "eagle3":
-            raise ForeignDraftError(f"speculators_model_type {cfg['speculators_model_type']!r}: only eagle3 drafts "
-                                    "can be probed")
+            raise ForeignDraftError(
+                f"speculators_model_type {cfg['speculators_model_type']!r}: only eagle3 drafts can be probed"
+            )
         layer = cfg.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise ForeignDraftError("a speculators config without transformer_layer_config")
@@ -112,8 +114,10 @@ def _layer_config(cfg: dict) -> tuple[str, dict, str | None]:
         return "speculators", layer, verifier
     archs = cfg.get("architectures") or []
     if not any("eagle3" in a.lower() for a in archs):
-        raise ForeignDraftError(f"config.json architectures {archs}: not an EAGLE-3 draft (expected "
-                                "LlamaForCausalLMEagle3 or a speculators eagle3 config)")
+        raise ForeignDraftError(
+            f"config.json architectures {archs}: not an EAGLE-3 draft (expected "
+            "LlamaForCausalLMEagle3 or a speculators eagle3 config)"
+        )
     return "eagle3", cfg, None
 
 
@@ -121,18 +125,26 @@ def _draft_config(layout_cfg: dict, top: dict, fc_in: int) -> DraftConfig:
     hidden = int(layout_cfg["hidden_size"])
     target_hidden = int(top.get("target_hidden_size") or layout_cfg.get("target_hidden_size") or hidden)
     if fc_in % target_hidden:
-        raise ForeignDraftError(f"fc.weight reads {fc_in} features, not a multiple of target_hidden_size {target_hidden}")
+        raise ForeignDraftError(
+            f"fc.weight reads {fc_in} features, not a multiple of target_hidden_size {target_hidden}"
+        )
     heads = int(layout_cfg["num_attention_heads"])
     rope = layout_cfg.get("rope_theta") or (layout_cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     vocab = int(layout_cfg["vocab_size"])
     return DraftConfig(
-        hidden_size=hidden, target_hidden_size=target_hidden, num_aux=fc_in // target_hidden,
-        intermediate_size=int(layout_cfg["intermediate_size"]), num_attention_heads=heads,
+        hidden_size=hidden,
+        target_hidden_size=target_hidden,
+        num_aux=fc_in // target_hidden,
+        intermediate_size=int(layout_cfg["intermediate_size"]),
+        num_attention_heads=heads,
         num_key_value_heads=int(layout_cfg.get("num_key_value_heads") or heads),
-        head_dim=int(layout_cfg.get("head_dim") or hidden // heads), vocab_size=vocab,
+        head_dim=int(layout_cfg.get("head_dim") or hidden // heads),
+        vocab_size=vocab,
         draft_vocab_size=int(top.get("draft_vocab_size") or layout_cfg.get("draft_vocab_size") or vocab),
-        rms_norm_eps=float(layout_cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
-        max_position_embeddings=int(layout_cfg.get("max_position_embeddings", 4096)))
+        rms_norm_eps=float(layout_cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope),
+        max_position_embeddings=int(layout_cfg.get("max_position_embeddings", 4096)),
+    )
 
 
 def read_draft(directory: str | Path, target_dir: str | Path) -> ForeignDraft:
@@ -147,8 +159,10 @@ def read_draft(directory: str | Path, target_dir: str | Path) -> ForeignDraft:
         layout = "strata"
     flags = [f for f in UNSUPPORTED_FLAGS if cfg.get(f) or layer_cfg.get(f)]
     if flags:
-        raise ForeignDraftError(f"{d}: the draft sets {', '.join(flags)}; the reference draft has no such variant, "
-                                "so its predictions would not be the served draft's")
+        raise ForeignDraftError(
+            f"{d}: the draft sets {', '.join(flags)}; the reference draft has no such variant, "
+            "so its predictions would not be the served draft's"
+        )
     if int(layer_cfg.get("num_hidden_layers", 1)) != 1:
         raise ForeignDraftError(f"{d}: {layer_cfg['num_hidden_layers']} draft layers; EAGLE-3 drafts here have one")
     sd = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v for k, v in _weights(d).items()}
@@ -162,8 +176,9 @@ def read_draft(directory: str | Path, target_dir: str | Path) -> ForeignDraft:
     notes = []
     if "d2t" not in sd:
         if c.draft_vocab_size != c.vocab_size:
-            raise ForeignDraftError(f"{d}: draft vocab {c.draft_vocab_size} < target vocab {c.vocab_size} but no d2t "
-                                    "mapping in the weights")
+            raise ForeignDraftError(
+                f"{d}: draft vocab {c.draft_vocab_size} < target vocab {c.vocab_size} but no d2t mapping in the weights"
+            )
         sd["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.long)
         notes.append("no d2t: the draft vocab is the target vocab")
     if "t2d" not in sd:
@@ -177,9 +192,12 @@ def read_draft(directory: str | Path, target_dir: str | Path) -> ForeignDraft:
     try:
         missing, unexpected = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # a shape that does not fit the config
-        raise ForeignDraftError(f"{d}: the weights do not fit its config.json: {str(e).splitlines()[-1].strip()}") from None
+        raise ForeignDraftError(
+            f"{d}: the weights do not fit its config.json: {str(e).splitlines()[-1].strip()}"
+        ) from None
     if missing or unexpected:
-        raise ForeignDraftError(f"{d}: the weights do not fit an EAGLE-3 draft of this config: missing {missing}, "
-                                f"unexpected {unexpected}")
+        raise ForeignDraftError(
+            f"{d}: the weights do not fit an EAGLE-3 draft of this config: missing {missing}, unexpected {unexpected}"
+        )
     notes.append("embedding: the draft's own" if own_embedding else "embedding: the target's (the draft ships none)")
     return ForeignDraft(d, layout, model.eval(), cfg, _claims(cfg), verifier, notes)

@@ -50,11 +50,16 @@ class DraftConfig:
         t = target.get("text_config", target)
         heads = t["num_attention_heads"]
         return cls(
-            hidden_size=t["hidden_size"], target_hidden_size=t["hidden_size"], num_aux=num_aux,
-            intermediate_size=t["intermediate_size"], num_attention_heads=heads,
+            hidden_size=t["hidden_size"],
+            target_hidden_size=t["hidden_size"],
+            num_aux=num_aux,
+            intermediate_size=t["intermediate_size"],
+            num_attention_heads=heads,
             num_key_value_heads=t.get("num_key_value_heads", heads),
-            head_dim=t.get("head_dim") or t["hidden_size"] // heads, vocab_size=t["vocab_size"],
-            draft_vocab_size=min(draft_vocab_size, t["vocab_size"]), rms_norm_eps=t.get("rms_norm_eps", 1e-5),
+            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
+            vocab_size=t["vocab_size"],
+            draft_vocab_size=min(draft_vocab_size, t["vocab_size"]),
+            rms_norm_eps=t.get("rms_norm_eps", 1e-5),
             rope_theta=float(t.get("rope_theta") or (t.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=t.get("max_position_embeddings", 4096),
         )
@@ -117,8 +122,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * c.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
-                ) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
+    ) -> torch.Tensor:
         """x [B,T,2H] -> [B,T,H]; appends this step's (GQA-expanded) keys/values to ks/vs."""
         B, T, _ = x.shape
         c = self.c
@@ -155,8 +161,14 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-                ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        emb: torch.Tensor,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+    ) -> torch.Tensor:
         """One step: the token embedding and the previous state -> h_{i+1} (pre-norm, fed back)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
         h_attn = h + self.self_attn(x, positions, ks, vs)
@@ -168,7 +180,7 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)   # the target's; frozen, not saved
+        self.embed_tokens.weight.requires_grad_(False)  # the target's; frozen, not saved
         self.fc = nn.Linear(c.num_aux * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = MidLayer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -178,8 +190,12 @@ class Eagle3Draft(nn.Module):
 
     # -- one pass of the midlayer ------------------------------------------------------------
     def step(
-        self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-        ks: list[torch.Tensor], vs: list[torch.Tensor],
+        self,
+        tokens: torch.Tensor,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
     ) -> torch.Tensor:
         """Run the midlayer once; appends this step's keys/values to ks/vs; returns h_{i+1}."""
         return self.midlayer(self.embed_tokens(tokens), h, positions, ks, vs)
@@ -201,7 +217,12 @@ class Eagle3Draft(nn.Module):
             yield h
 
     def forward(
-        self, aux: torch.Tensor, input_ids: torch.Tensor, target: TargetBatch, steps: int = 7, decay: float = 0.8,
+        self,
+        aux: torch.Tensor,
+        input_ids: torch.Tensor,
+        target: TargetBatch,
+        steps: int = 7,
+        decay: float = 0.8,
     ) -> TTTOutput:
         """Unroll ``steps`` draft steps over whole sequences and score them against the target.
 
@@ -241,18 +262,18 @@ def shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
 class TargetBatch:
     """What the target says about each position of a batch (from its stored final state)."""
 
-    p_draft: torch.Tensor         # [B,T,Vd] target distribution over the draft vocab (TargetHead.targets)
-    greedy: torch.Tensor          # [B,T] target argmax over the FULL vocab (next-token prediction)
+    p_draft: torch.Tensor  # [B,T,Vd] target distribution over the draft vocab (TargetHead.targets)
+    greedy: torch.Tensor  # [B,T] target argmax over the FULL vocab (next-token prediction)
     in_draft_vocab: torch.Tensor  # [B,T] greedy token is in the draft vocab (else masked from loss)
-    trained: torch.Tensor         # [B,T] loss mask of the token at this position (assistant, not padding)
+    trained: torch.Tensor  # [B,T] loss mask of the token at this position (assistant, not padding)
 
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor            # weighted sum over steps (scalar, differentiable)
-    step_loss: torch.Tensor       # [S]
-    correct: torch.Tensor         # [S] draft greedy == target greedy, over trained positions
-    counted: torch.Tensor         # [S] trained positions (targets outside the draft vocab count wrong)
+    loss: torch.Tensor  # weighted sum over steps (scalar, differentiable)
+    step_loss: torch.Tensor  # [S]
+    correct: torch.Tensor  # [S] draft greedy == target greedy, over trained positions
+    counted: torch.Tensor  # [S] trained positions (targets outside the draft vocab count wrong)
 
     def accuracy(self) -> list[float]:
         return (self.correct.float() / self.counted.clamp(min=1).float()).tolist()

@@ -20,10 +20,10 @@ from schemas.capture import CapturePoint
 
 @dataclass
 class SpecResult:
-    tokens: list[int]                     # generated tokens (excluding the prompt)
+    tokens: list[int]  # generated tokens (excluding the prompt)
     k: int
     verify_steps: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)   # times draft position j was accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # times draft position j was accepted
 
     @property
     def accepted_tokens(self) -> int:
@@ -85,7 +85,11 @@ def draft_chain(draft: Eagle3Draft, aux: torch.Tensor, next_tokens: torch.Tensor
 
 @torch.no_grad()
 def speculative_generate(
-    runner: TargetRunner, draft: Eagle3Draft, prompt: list[int], max_new_tokens: int, k: int,
+    runner: TargetRunner,
+    draft: Eagle3Draft,
+    prompt: list[int],
+    max_new_tokens: int,
+    k: int,
     stop_ids: frozenset[int] = frozenset(),
 ) -> SpecResult:
     """Greedy chain speculation until a stop token or ``max_new_tokens``. Every verify step is
@@ -95,7 +99,7 @@ def speculative_generate(
     ids = torch.tensor(prompt, dtype=torch.long)
     greedy, aux = runner(ids)
     while True:
-        nxt = int(greedy[-1])                     # the target's token: always correct
+        nxt = int(greedy[-1])  # the target's token: always correct
         res.tokens.append(nxt)
         ids = torch.cat([ids, torch.tensor([nxt])])
         if nxt in stop_ids or len(res.tokens) >= max_new_tokens:
@@ -108,7 +112,7 @@ def speculative_generate(
         while accepted < k and int(greedy_v[L - 1 + accepted]) == proposal[accepted]:
             res.accepted_per_pos[accepted] += 1
             accepted += 1
-        for tok in proposal[:accepted]:           # emitted up to the stop token or the budget
+        for tok in proposal[:accepted]:  # emitted up to the stop token or the budget
             res.tokens.append(tok)
             if tok in stop_ids or len(res.tokens) >= max_new_tokens:
                 return res
@@ -117,8 +121,7 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()
-                    ) -> list[int]:
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, stop_ids: frozenset[int] = frozenset()) -> list[int]:
     ids = torch.tensor(prompt, dtype=torch.long)
     out: list[int] = []
     for _ in range(max_new_tokens):

@@ -60,7 +60,11 @@ class TargetHead:
 
     @torch.no_grad()
     def targets(
-        self, final: torch.Tensor, loss_mask: torch.Tensor, draft_ids: torch.Tensor, chunk: int = 1024,
+        self,
+        final: torch.Tensor,
+        loss_mask: torch.Tensor,
+        draft_ids: torch.Tensor,
+        chunk: int = 1024,
         soft_target: str = "draft_vocab",
     ) -> TargetBatch:
         """final [B,T,H] (post-norm, or pre-norm when built with needs_norm) -> TargetBatch.
@@ -83,5 +87,6 @@ class TargetHead:
             logits = flat[s : s + chunk] @ self.weight.T
             greedy.view(-1)[s : s + chunk] = logits.argmax(-1)
             p_draft.view(B * T, -1)[s : s + chunk] = (
-                logits[:, draft_ids].softmax(-1) if soft_target == "draft_vocab" else logits.softmax(-1)[:, draft_ids])
+                logits[:, draft_ids].softmax(-1) if soft_target == "draft_vocab" else logits.softmax(-1)[:, draft_ids]
+            )
         return TargetBatch(p_draft=p_draft, greedy=greedy, in_draft_vocab=t2d[greedy], trained=loss_mask.bool())

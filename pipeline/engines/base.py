@@ -33,7 +33,7 @@ class CapturedBatch:
     (what the extraction writer stores)."""
 
     lengths: list[int]
-    planes: dict[str, np.ndarray]   # capture point -> [B, sum(lengths), H] uint8 byte planes
+    planes: dict[str, np.ndarray]  # capture point -> [B, sum(lengths), H] uint8 byte planes
     # seconds spent: "forward" (the target), "byte_split" (planes to host; on a GPU this
     # includes waiting for the device to finish)
     seconds: dict[str, float] = field(default_factory=dict)
@@ -60,8 +60,8 @@ class DecodeTiming:
     """
 
     outputs: list[list[int]]
-    prefill_s: list[float]   # per prompt
-    total_s: list[float]     # per prompt: the whole continuation's request
+    prefill_s: list[float]  # per prompt
+    total_s: list[float]  # per prompt: the whole continuation's request
     acceptance: dict | None
 
     @property
@@ -69,8 +69,9 @@ class DecodeTiming:
         return sum(map(len, self.outputs))
 
     def _decode(self) -> list[tuple[int, float]]:
-        return [(len(o) - 1, max(t - p, 1e-9)) for o, p, t in zip(self.outputs, self.prefill_s, self.total_s,
-                                                                     strict=True)]
+        return [
+            (len(o) - 1, max(t - p, 1e-9)) for o, p, t in zip(self.outputs, self.prefill_s, self.total_s, strict=True)
+        ]
 
     @property
     def decode_tokens(self) -> int:
@@ -96,8 +97,9 @@ class DecodeTiming:
         return math.sqrt(len(d) / (len(d) - 1) * sum((tok - r * s) ** 2 for tok, s in d)) / secs
 
 
-def time_decode(generate, prompts: list[list[int]], max_new_tokens: int, after_each=None
-                ) -> tuple[list[list[int]], list[float], list[float]]:
+def time_decode(
+    generate, prompts: list[list[int]], max_new_tokens: int, after_each=None
+) -> tuple[list[list[int]], list[float], list[float]]:
     """(outputs, prefill seconds, whole-request seconds) of ``generate([prompt], n)`` per prompt;
     ``after_each()`` runs between prompts, outside the timed spans (e.g. to read counters).
     Warm the engine up first: the first request pays one-off costs."""
@@ -135,16 +137,23 @@ class TargetEngine(ABC):
         """Target-only greedy continuations."""
 
     @abstractmethod
-    def serve_draft(self, draft_dir: str | Path, prompts: list[list[int]], max_new_tokens: int, k: int,
-                    feed_points: list[CapturePoint] | None = None) -> ServeResult:
+    def serve_draft(
+        self,
+        draft_dir: str | Path,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        k: int,
+        feed_points: list[CapturePoint] | None = None,
+    ) -> ServeResult:
         """Greedy speculative decoding with the draft as configured in ``draft_dir``.
 
         ``feed_points``: only for engines without reading rules of their own (HF), which
         feed the draft these points.
         """
 
-    def timed_decode(self, draft_dir: str | Path | None, prompts: list[list[int]], max_new_tokens: int,
-                     k: int) -> DecodeTiming:
+    def timed_decode(
+        self, draft_dir: str | Path | None, prompts: list[list[int]], max_new_tokens: int, k: int
+    ) -> DecodeTiming:
         """Greedy decoding timed per prompt, without speculation (``draft_dir`` None) or with the
         draft as configured in ``draft_dir``. Engines that cannot be timed here say so."""
         raise EngineUnavailable(f"{self.name} does not time decoding here")
@@ -172,5 +181,8 @@ def captured_batch(capture_tensors, sequences: list[list[int]], dtype: str) -> C
     per_point = capture_tensors(sequences)
     t1 = time.perf_counter()
     planes = {k: split_planes(torch.cat(v).to(torch_dtype(dtype)).contiguous()).numpy() for k, v in per_point.items()}
-    return CapturedBatch(lengths=[t.shape[0] for t in next(iter(per_point.values()))], planes=planes,
-                         seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1})
+    return CapturedBatch(
+        lengths=[t.shape[0] for t in next(iter(per_point.values()))],
+        planes=planes,
+        seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1},
+    )

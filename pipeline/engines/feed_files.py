@@ -32,13 +32,16 @@ class FeedCall:
     token_offset: int = 0
 
 
-def write_call(out: Path, index: int, token_ids: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor,
-               token_offset: int = 0) -> None:
+def write_call(
+    out: Path, index: int, token_ids: torch.Tensor, positions: torch.Tensor, aux: torch.Tensor, token_offset: int = 0
+) -> None:
     if positions.dim() > 1:  # M-RoPE positions [3, T]: the text position is the first row
         positions = positions[0]
-    tensors = {"token_ids": token_ids.detach().to("cpu", torch.int64).contiguous(),
-               "positions": positions.detach().to("cpu", torch.int64).contiguous(),
-               "aux": aux.detach().to("cpu", torch.float32).contiguous()}
+    tensors = {
+        "token_ids": token_ids.detach().to("cpu", torch.int64).contiguous(),
+        "positions": positions.detach().to("cpu", torch.int64).contiguous(),
+        "aux": aux.detach().to("cpu", torch.float32).contiguous(),
+    }
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{index:08d}.tmp"
     save_file(tensors, str(tmp), metadata={"token_offset": str(token_offset)})

@@ -33,25 +33,36 @@ class HFGenerator:
         from pipeline.dtypes import torch_dtype
 
         self.version = transformers.__version__
-        self.device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        self.device = (
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype(dtype)).to(self.device).eval()
         self.stop = sorted(stop_token_ids(model_dir))
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-                 seeds: list[int]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, seeds: list[int]
+    ) -> list[list[int]]:
         out = []
         sample = sampling.temperature > 0
         for p, seed in zip(prompts, seeds, strict=True):
             if sample:
                 torch.manual_seed(seed)
             ids = torch.tensor([p], device=self.device)
-            kw = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p} if sample else \
-                {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-            gen = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      eos_token_id=self.stop or None, pad_token_id=self.stop[0] if self.stop else 0,
-                                      **kw)
-            out.append(gen[0, len(p):].tolist())
+            kw = (
+                {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p}
+                if sample
+                else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+            )
+            gen = self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.stop or None,
+                pad_token_id=self.stop[0] if self.stop else 0,
+                **kw,
+            )
+            out.append(gen[0, len(p) :].tolist())
         return out
 
     def close(self) -> None:
@@ -69,8 +80,9 @@ class VLLMGenerator:
         self.version = vllm_version()
         self.engine = VLLMPlain(model_dir, e.dtype, e.tp_size, e.max_model_len)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-                 seeds: list[int]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, seeds: list[int]
+    ) -> list[list[int]]:
         return self.engine.sample(prompts, max_new_tokens, sampling.temperature, sampling.top_p, seeds)
 
     def close(self) -> None:
@@ -86,8 +98,9 @@ class SGLangGenerator:
         self.server = SGLangServer(model_dir, e.dtype, e.tp_size, max_model_len=e.max_model_len).start()
         self.version = self.server.install.version
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig,
-                 seeds: list[int]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: int, sampling: SamplingConfig, seeds: list[int]
+    ) -> list[list[int]]:
         if sampling.temperature > 0:
             raise EngineUnavailable("seeded sampling through SGLang is not supported here: use hf or vllm")
         return [list(o["output_ids"]) for o in self.server.generate(prompts, max_new_tokens)]

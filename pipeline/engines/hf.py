@@ -36,6 +36,7 @@ from schemas.provenance import EngineRef
 
 log = logging.getLogger(__name__)
 
+
 class HFEngine(TargetEngine):
     """The target in HF transformers with forward hooks; serves drafts by reference speculation."""
 
@@ -55,7 +56,9 @@ class HFEngine(TargetEngine):
         self.version = transformers.__version__
         self.model_dir = str(model_dir)
         self.dtype = dtype
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        self.device = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+        )
         self.batch_tokens = batch_tokens
         self.attn_implementation = attn_implementation
         # A target larger than one GPU is split layer-wise over the actor's GPUs.
@@ -123,8 +126,11 @@ class HFEngine(TargetEngine):
             for d in devices:  # one sync per batch (per GPU the model spans), not per layer
                 torch.cuda.current_stream(d).synchronize()
         self._captured.clear()
-        return CapturedBatch(lengths=[len(s) for s in sequences], planes={k: v.numpy() for k, v in planes.items()},
-                             seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1})
+        return CapturedBatch(
+            lengths=[len(s) for s in sequences],
+            planes={k: v.numpy() for k, v in planes.items()},
+            seconds={"forward": t1 - t0, "byte_split": time.perf_counter() - t1},
+        )
 
     @torch.inference_mode()
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
@@ -159,10 +165,11 @@ class HFEngine(TargetEngine):
         finally:
             runner.close()
         counts = [PromptCounts(r.verify_steps, tuple(r.accepted_per_pos)) for r in runs]
-        return ServeResult([r.tokens for r in runs], from_prompts("reference (HF target + Strata draft)", k, counts), None)
+        return ServeResult(
+            [r.tokens for r in runs], from_prompts("reference (HF target + Strata draft)", k, counts), None
+        )
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-

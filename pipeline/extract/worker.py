@@ -44,16 +44,23 @@ class TokenizedUnit:
     tokenize_s: float = 0.0
 
     def to_json(self) -> bytes:
-        return json.dumps({
-            "unit": self.unit, "start": self.start, "end": self.end,
-            "samples": [s.__dict__ for s in self.samples], "quarantine": self.quarantine, "tokenize_s": self.tokenize_s,
-        }).encode()
+        return json.dumps(
+            {
+                "unit": self.unit,
+                "start": self.start,
+                "end": self.end,
+                "samples": [s.__dict__ for s in self.samples],
+                "quarantine": self.quarantine,
+                "tokenize_s": self.tokenize_s,
+            }
+        ).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> TokenizedUnit:
         d = json.loads(data)
-        return cls(d["unit"], d["start"], d["end"], [SampleMeta(**s) for s in d["samples"]], d["quarantine"],
-                   d["tokenize_s"])
+        return cls(
+            d["unit"], d["start"], d["end"], [SampleMeta(**s) for s in d["samples"]], d["quarantine"], d["tokenize_s"]
+        )
 
 
 @lru_cache(maxsize=4)
@@ -66,10 +73,15 @@ QUARANTINE_PREFIX = 4096  # bytes of a bad row kept for a person to read; the wh
 
 def quarantine_record(uri: str, row: int, reason: str, data: bytes) -> dict:
     """What the quarantine keeps of a bad row: where it is, why, its hash and a bounded prefix."""
-    return {"source_uri": uri, "source_row": row, "reason": reason, "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "line": data[:QUARANTINE_PREFIX].decode("utf-8", errors="replace"),
-            "truncated": len(data) > QUARANTINE_PREFIX}
+    return {
+        "source_uri": uri,
+        "source_row": row,
+        "reason": reason,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "line": data[:QUARANTINE_PREFIX].decode("utf-8", errors="replace"),
+        "truncated": len(data) > QUARANTINE_PREFIX,
+    }
 
 
 def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) -> TokenizedUnit:
@@ -85,11 +97,16 @@ def tokenize_unit(cfg: ExtractConfig, unit: int, start: int, rows: list[bytes]) 
         except BadRow as err:
             out.quarantine.append(quarantine_record(cfg.source.uri, row, str(err), data))
             continue
-        out.samples.append(SampleMeta(
-            sample_id=layout.sample_id(cfg.source.uri, row, conv.content_sha256),
-            source_uri=cfg.source.uri, source_row=row, content_sha256=conv.content_sha256,
-            input_ids=e.input_ids, loss_mask=e.loss_mask,
-        ))
+        out.samples.append(
+            SampleMeta(
+                sample_id=layout.sample_id(cfg.source.uri, row, conv.content_sha256),
+                source_uri=cfg.source.uri,
+                source_row=row,
+                content_sha256=conv.content_sha256,
+                input_ids=e.input_ids,
+                loss_mask=e.loss_mask,
+            )
+        )
     out.tokenize_s = time.perf_counter() - t0
     return out
 
@@ -117,10 +134,15 @@ class UnitWriter:
             if done.source_rows == (tu.start, tu.end):
                 return done
         rec = ShardRecord(
-            unit=tu.unit, source_rows=(tu.start, tu.end), path=None, rows=len(tu.samples),
+            unit=tu.unit,
+            source_rows=(tu.start, tu.end),
+            path=None,
+            rows=len(tu.samples),
             tokens=sum(len(s.input_ids) for s in tu.samples),
             loss_tokens=sum(sum(s.loss_mask) for s in tu.samples),
-            quarantined=len(tu.quarantine), bytes=0, sha256=None,
+            quarantined=len(tu.quarantine),
+            bytes=0,
+            sha256=None,
         )
         seconds = Counter({"tokenize": tu.tokenize_s, **self._startup})
         self._startup = {}
@@ -143,8 +165,11 @@ class UnitWriter:
         """Capture batch after batch while a writer thread encodes the previous one; adds where
         the time went to ``seconds`` (writer_wait: the capture thread waiting for the writer)."""
         writer = ShardWriter(
-            self.fs, join(self.root, layout.shard_path(tu.unit)), self.schema,
-            tmp_dir=self._local_tmp, compress_threads=self.compress_threads,
+            self.fs,
+            join(self.root, layout.shard_path(tu.unit)),
+            self.schema,
+            tmp_dir=self._local_tmp,
+            compress_threads=self.compress_threads,
         )
         lengths = [len(s.input_ids) for s in tu.samples]
         q: queue.Queue = queue.Queue(maxsize=2)
@@ -192,8 +217,14 @@ def fingerprint_dataset(cfg: ExtractConfig, manifest: DatasetManifest) -> dict:
     path, digest = fp.save(cfg.output.uri, cfg.s3)
     dt = time.perf_counter() - t0
     log.info("fingerprinted %d probe samples x %d capture points in %.2fs", len(fp.sample_ids), len(fp.points), dt)
-    return {"path": path, "sha256": digest, "probe_samples": len(fp.sample_ids), "dim": fp.dim, "seed": fp.seed,
-            "seconds": dt}
+    return {
+        "path": path,
+        "sha256": digest,
+        "probe_samples": len(fp.sample_ids),
+        "dim": fp.dim,
+        "seed": fp.seed,
+        "seconds": dt,
+    }
 
 
 class CaptureWorker:
@@ -216,9 +247,13 @@ class CaptureWorker:
         if self._writer is None:
             t0 = time.perf_counter()
             self.engine = open_engine(self.cfg)
-            self._writer = UnitWriter(self.cfg, self.schema, self.engine,
-                                      compress_threads=self.cfg.ray.writer_threads_per_actor(),
-                                      engine_start_s=time.perf_counter() - t0)
+            self._writer = UnitWriter(
+                self.cfg,
+                self.schema,
+                self.engine,
+                compress_threads=self.cfg.ray.writer_threads_per_actor(),
+                engine_start_s=time.perf_counter() - t0,
+            )
         return self._writer
 
     def process(self, unit: int, start: int, rows: list[bytes]) -> str:

@@ -27,7 +27,7 @@ def safetensors_metadata(blob: bytes) -> dict[str, str]:
     import json
 
     header = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8:8 + header]).get("__metadata__", {})
+    return json.loads(blob[8 : 8 + header]).get("__metadata__", {})
 
 
 def projection(hidden: int, dim: int, seed: int) -> torch.Tensor:
@@ -66,10 +66,10 @@ class Fingerprints:
     points: list[str]
     dim: int
     seed: int
-    sketches: dict[str, torch.Tensor]   # point -> [sum T, dim]
-    rms: dict[str, torch.Tensor]        # point -> [sum T]
-    digests: dict[str, list[str]]       # point -> sha256 of each sample's raw tensor
-    input_ids: torch.Tensor             # [sum T] the probe samples' tokens, for replay
+    sketches: dict[str, torch.Tensor]  # point -> [sum T, dim]
+    rms: dict[str, torch.Tensor]  # point -> [sum T]
+    digests: dict[str, list[str]]  # point -> sha256 of each sample's raw tensor
+    input_ids: torch.Tensor  # [sum T] the probe samples' tokens, for replay
     # per probe sample, where its first assistant turn starts (None: not known, e.g. older datasets)
     prompt_lengths: list[int | None] | None = None
 
@@ -96,9 +96,15 @@ class Fingerprints:
     def metadata(self) -> dict[str, str]:
         import json
 
-        return {"sample_ids": json.dumps(self.sample_ids), "lengths": json.dumps(self.lengths),
-                "points": json.dumps(self.points), "dim": str(self.dim), "seed": str(self.seed),
-                "digests": json.dumps(self.digests), "prompt_lengths": json.dumps(self.prompt_lengths)}
+        return {
+            "sample_ids": json.dumps(self.sample_ids),
+            "lengths": json.dumps(self.lengths),
+            "points": json.dumps(self.points),
+            "dim": str(self.dim),
+            "seed": str(self.seed),
+            "digests": json.dumps(self.digests),
+            "prompt_lengths": json.dumps(self.prompt_lengths),
+        }
 
     def save(self, uri: str, s3=None, name: str = FINGERPRINTS_FILE) -> tuple[str, str]:
         """Write to ``<uri>/<name>``; returns (relative path, sha256)."""
@@ -120,15 +126,25 @@ class Fingerprints:
         meta, t = safetensors_metadata(blob), st_load(blob)
         points = json.loads(meta["points"])
         return cls(
-            sample_ids=json.loads(meta["sample_ids"]), lengths=json.loads(meta["lengths"]), points=points,
-            dim=int(meta["dim"]), seed=int(meta["seed"]), sketches={p: t[f"sketch/{p}"] for p in points},
-            rms={p: t[f"rms/{p}"] for p in points}, digests=json.loads(meta["digests"]), input_ids=t["input_ids"],
+            sample_ids=json.loads(meta["sample_ids"]),
+            lengths=json.loads(meta["lengths"]),
+            points=points,
+            dim=int(meta["dim"]),
+            seed=int(meta["seed"]),
+            sketches={p: t[f"sketch/{p}"] for p in points},
+            rms={p: t[f"rms/{p}"] for p in points},
+            digests=json.loads(meta["digests"]),
+            input_ids=t["input_ids"],
             prompt_lengths=json.loads(meta.get("prompt_lengths", "null")),
         )
 
 
-def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor], int | None]], points: list[str],
-                 dim: int = 64, seed: int = 0) -> Fingerprints:
+def from_samples(
+    samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tensor], int | None]],
+    points: list[str],
+    dim: int = 64,
+    seed: int = 0,
+) -> Fingerprints:
     """Fingerprints of (sample id, token ids [T], point -> [T, H], first assistant token or None)
     samples, consumed one at a time."""
     projs: dict[int, torch.Tensor] = {}
@@ -150,9 +166,14 @@ def from_samples(samples: Iterable[tuple[str, torch.Tensor, dict[str, torch.Tens
             rm[p].append(q)
             dg[p].append(tensor_digest(x))
     return Fingerprints(
-        sample_ids=sids, lengths=lengths, points=points, dim=dim, seed=seed,
+        sample_ids=sids,
+        lengths=lengths,
+        points=points,
+        dim=dim,
+        seed=seed,
         sketches={p: torch.cat(v) if v else torch.zeros(0, dim) for p, v in sk.items()},
-        rms={p: torch.cat(v) if v else torch.zeros(0) for p, v in rm.items()}, digests=dg,
+        rms={p: torch.cat(v) if v else torch.zeros(0) for p, v in rm.items()},
+        digests=dg,
         input_ids=torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long),
         prompt_lengths=starts if any(x is not None for x in starts) else None,
     )

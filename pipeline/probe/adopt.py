@@ -27,20 +27,24 @@ from schemas.capture import CapturePoint
 FINGERPRINT_DIM, FINGERPRINT_SEED = 64, 0
 
 
-def probe_fingerprints(probe, trained: list[CapturePoint], dim: int = FINGERPRINT_DIM,
-                       seed: int = FINGERPRINT_SEED) -> Fingerprints:
+def probe_fingerprints(
+    probe, trained: list[CapturePoint], dim: int = FINGERPRINT_DIM, seed: int = FINGERPRINT_SEED
+) -> Fingerprints:
     """Sketches of the trained points on the probe prompts (the HF target's values)."""
     cap = probe.capture
-    samples = ((f"probe-{row}", cap.tokens[row, :L], {str(p): cap.states[cap.index(p)][row, :L] for p in trained},
-                None) for row, L in enumerate(cap.lengths.tolist()))
+    samples = (
+        (f"probe-{row}", cap.tokens[row, :L], {str(p): cap.states[cap.index(p)][row, :L] for p in trained}, None)
+        for row, L in enumerate(cap.lengths.tolist())
+    )
     return from_samples(samples, [str(p) for p in trained], dim, seed)
 
 
 def _weights_file(d: Path) -> Path:
     files = [f for f in sorted(d.glob("*.safetensors")) if not f.name.startswith("strata_")]
     if len(files) != 1:
-        raise ForeignDraftError(f"{d}: {len(files)} safetensors files; importing needs the draft in one file "
-                                f"({ARTIFACT_WEIGHTS})")
+        raise ForeignDraftError(
+            f"{d}: {len(files)} safetensors files; importing needs the draft in one file ({ARTIFACT_WEIGHTS})"
+        )
     return files[0]
 
 
@@ -49,7 +53,9 @@ def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
     r, d = probe.report, probe.draft
     points = probe.trained
     if points is None:
-        raise ForeignDraftError(f"{d.directory}: cannot import a draft whose training layers are not known: {r.summary}")
+        raise ForeignDraftError(
+            f"{d.directory}: cannot import a draft whose training layers are not known: {r.summary}"
+        )
     n = r.num_layers
     engine = "sglang" if f"eagle_config.{conventions.AUX_KEY}" in d.claimed else "vllm"  # whose key it writes
     tcfg = probe.cfg.target
@@ -60,20 +66,51 @@ def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
         shutil.copyfile(_weights_file(d.directory), tmp / ARTIFACT_WEIGHTS)
         shutil.copyfile(d.directory / ARTIFACT_CONFIG, tmp / ARTIFACT_CONFIG)
         name, sha = fp.save(str(tmp), name=ARTIFACT_FINGERPRINTS)
-        evidence = {k: v for k, v in r.model_dump(mode="json").items()
-                    if k in ("summary", "layout", "prompts", "positions", "best", "runner_up", "margin", "margin_se",
-                             "z", "evaluated", "claimed", "claimed_readings", "declared", "verdict")}
+        evidence = {
+            k: v
+            for k, v in r.model_dump(mode="json").items()
+            if k
+            in (
+                "summary",
+                "layout",
+                "prompts",
+                "positions",
+                "best",
+                "runner_up",
+                "margin",
+                "margin_se",
+                "z",
+                "evaluated",
+                "claimed",
+                "claimed_readings",
+                "declared",
+                "verdict",
+            )
+        }
         evidence["source"] = str(d.directory)
         evidence["source_sha256"] = hashlib.sha256((tmp / ARTIFACT_WEIGHTS).read_bytes()).hexdigest()
         ids = d.claimed_ids
         manifest = DraftArtifactManifest(
-            content_digest=content_digest(tmp), serving_engine=engine,  # type: ignore[arg-type]
-            engine_family=family if engine == "sglang" else None, aux_capture_points=points,
-            aux_layer_ids=ids or [], aux_layer_ids_convention="as found in the imported config (not written by Strata)",
-            ids_valid_for=conventions.releases_reading(d.config, points, engine, family, n), target=ident,
-            draft_config=d.model.config.to_dict(), training={"trained_by": "elsewhere (imported)", "layout": d.layout},
-            fingerprints={"path": name, "sha256": sha, "probe_samples": len(fp.sample_ids), "dim": fp.dim,
-                          "seed": fp.seed, "computed_from": "the probe prompts, through HF transformers"},
-            provenance=r.provenance or "inferred", probe=evidence)
+            content_digest=content_digest(tmp),
+            serving_engine=engine,  # type: ignore[arg-type]
+            engine_family=family if engine == "sglang" else None,
+            aux_capture_points=points,
+            aux_layer_ids=ids or [],
+            aux_layer_ids_convention="as found in the imported config (not written by Strata)",
+            ids_valid_for=conventions.releases_reading(d.config, points, engine, family, n),
+            target=ident,
+            draft_config=d.model.config.to_dict(),
+            training={"trained_by": "elsewhere (imported)", "layout": d.layout},
+            fingerprints={
+                "path": name,
+                "sha256": sha,
+                "probe_samples": len(fp.sample_ids),
+                "dim": fp.dim,
+                "seed": fp.seed,
+                "computed_from": "the probe prompts, through HF transformers",
+            },
+            provenance=r.provenance or "inferred",
+            probe=evidence,
+        )
         (tmp / ARTIFACT_MANIFEST).write_text(manifest.model_dump_json(indent=1))
     return manifest

@@ -17,11 +17,11 @@ from schemas.capture import CapturePoint
 class ProbeCapture:
     """Padded to the longest prompt; ``states[i]`` is boundary ``points[i]`` ([P, T, H], fp32)."""
 
-    points: list[CapturePoint]          # r_0 .. r_N
+    points: list[CapturePoint]  # r_0 .. r_N
     states: list[torch.Tensor]
-    tokens: torch.Tensor                # [P, T] (0 past each prompt's end)
-    lengths: torch.Tensor               # [P]
-    greedy: torch.Tensor                # [P, T] the target's argmax next token at each position
+    tokens: torch.Tensor  # [P, T] (0 past each prompt's end)
+    lengths: torch.Tensor  # [P]
+    greedy: torch.Tensor  # [P, T] the target's argmax next token at each position
 
     @property
     def num_layers(self) -> int:
@@ -31,8 +31,9 @@ class ProbeCapture:
         return self.points.index(point)
 
 
-def capture_boundaries(target_dir: str | Path, prompts: list[list[int]], dtype: str = "float32",
-                       device: str = "cpu") -> ProbeCapture:
+def capture_boundaries(
+    target_dir: str | Path, prompts: list[list[int]], dtype: str = "float32", device: str = "cpu"
+) -> ProbeCapture:
     """Run the target (HF transformers) over ``prompts`` and keep r_0..r_N and its greedy tokens."""
     from pipeline.engines.hf import HFEngine
 

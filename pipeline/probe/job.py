@@ -64,33 +64,42 @@ def probe_prompts(cfg: ProbeConfig) -> list[list[int]]:
         if len(out) == cfg.prompts:
             break
     if len(out) < 2:
-        raise ForeignDraftError(f"{cfg.conversations or 'the built-in conversations'}: fewer than two usable "
-                                "conversations to probe with")
+        raise ForeignDraftError(
+            f"{cfg.conversations or 'the built-in conversations'}: fewer than two usable conversations to probe with"
+        )
     return out
 
 
 def _check_fits(draft: ForeignDraft, tcfg: dict, target: str) -> None:
     t, c = text_config(tcfg), draft.model.config
     if c.target_hidden_size != t["hidden_size"] or c.vocab_size != t["vocab_size"]:
-        raise ForeignDraftError(f"{draft.directory}: the draft reads hidden size {c.target_hidden_size} and vocab "
-                                f"{c.vocab_size}; the target {target} has {t['hidden_size']} and {t['vocab_size']}: "
-                                "it was trained for another target")
+        raise ForeignDraftError(
+            f"{draft.directory}: the draft reads hidden size {c.target_hidden_size} and vocab "
+            f"{c.vocab_size}; the target {target} has {t['hidden_size']} and {t['vocab_size']}: "
+            "it was trained for another target"
+        )
 
 
 def _given(points, num_aux: int, n: int) -> tuple[int, ...]:
     """A candidate from the config: ascending residual boundaries, one per slot of the draft."""
     aux = tuple(conventions.boundary(p, n) for p in points)
     if len(aux) != num_aux or None in aux or list(aux) != sorted(set(aux)):  # type: ignore[type-var]
-        raise ForeignDraftError(f"candidate {[str(p) for p in points]}: the draft has {num_aux} slots; give that many "
-                                "residual-stream points (embedding, layer outputs), ascending and distinct")
+        raise ForeignDraftError(
+            f"candidate {[str(p) for p in points]}: the draft has {num_aux} slots; give that many "
+            "residual-stream points (embedding, layer outputs), ascending and distinct"
+        )
     return aux  # type: ignore[return-value]
 
 
 def _candidate(inf: Inference, s: Scored) -> Candidate:
     pts = inf.set_of(s)
     n = len(inf.points) - 1
-    return Candidate(points=pts, boundaries=[conventions.boundary_label(p, n) for p in pts],
-                     agreement=[round(a, 4) for a in inf.agreement(s)], why=s.why)
+    return Candidate(
+        points=pts,
+        boundaries=[conventions.boundary_label(p, n) for p in pts],
+        agreement=[round(a, 4) for a in inf.agreement(s)],
+        why=s.why,
+    )
 
 
 def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | None = None) -> Probe:
@@ -127,8 +136,17 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
 
         bar = tqdm(desc="probe: candidate aux sets", unit="set", leave=False)
     try:
-        inf = infer(draft.model, cap, seeds, steps=cfg.steps, rounds=rounds, resamples=cfg.resamples, z=cfg.z,
-                    progress=bar, min_spread=cfg.min_spread)
+        inf = infer(
+            draft.model,
+            cap,
+            seeds,
+            steps=cfg.steps,
+            rounds=rounds,
+            resamples=cfg.resamples,
+            z=cfg.z,
+            progress=bar,
+            min_spread=cfg.min_spread,
+        )
     finally:
         if bar is not None:
             bar.close()
@@ -136,58 +154,99 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
     return Probe(cfg, draft, cap, inf, report)
 
 
-def _report(cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dict, n: int, n_prompts: int
-            ) -> ProbeReport:
+def _report(
+    cfg: ProbeConfig, draft: ForeignDraft, inf: Inference, readings: dict, n: int, n_prompts: int
+) -> ProbeReport:
     best, ru = _candidate(inf, inf.best), _candidate(inf, inf.runner_up)
     pooled = {s.aux: inf.pooled(s) for s in inf.ranked}
     claimed = []
     for points, who in readings.items():
         aux = tuple(conventions.boundary(p, n) for p in points)
-        claimed.append({"read_by": who, "points": [str(p) for p in points],
-                        "boundaries": [conventions.boundary_label(p, n) for p in points],
-                        "agreement": round(pooled[aux], 4) if aux in pooled else None,
-                        "is_the_inferred_set": list(points) == best.points and inf.conclusive})
+        claimed.append(
+            {
+                "read_by": who,
+                "points": [str(p) for p in points],
+                "boundaries": [conventions.boundary_label(p, n) for p in points],
+                "agreement": round(pooled[aux], 4) if aux in pooled else None,
+                "is_the_inferred_set": list(points) == best.points and inf.conclusive,
+            }
+        )
     words = ", ".join(conventions.describe_point(p, n) for p in best.points)
     among = f"of the {len(inf.ranked)} candidate sets given, " if cfg.candidates else ""
     if inf.conclusive:
         verdict = "inferred"
-        summary = (f"{among}trained on {', '.join(best.boundaries)} ({words}): agreement {inf.pooled(inf.best):.3f}, "
-                   f"{inf.margin:.3f} above the runner-up {', '.join(ru.boundaries)} "
-                   f"(+-{inf.margin_se:.3f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)")
+        summary = (
+            f"{among}trained on {', '.join(best.boundaries)} ({words}): agreement {inf.pooled(inf.best):.3f}, "
+            f"{inf.margin:.3f} above the runner-up {', '.join(ru.boundaries)} "
+            f"(+-{inf.margin_se:.3f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)"
+        )
     elif inf.margin > cfg.z * inf.margin_se and inf.margin > 0:
         verdict = "inconclusive"
-        summary = (f"inconclusive: the best set {', '.join(best.boundaries)} leads the runner-up by {inf.margin:.4f} "
-                   f"(+-{inf.margin_se:.4f}), but it lies only {inf.spread:.3f} above the median candidate (at least "
-                   f"{cfg.min_spread:g} needed): this draft barely depends on which layers it reads, so its best fit "
-                   "says nothing about what it was trained on")
+        summary = (
+            f"inconclusive: the best set {', '.join(best.boundaries)} leads the runner-up by {inf.margin:.4f} "
+            f"(+-{inf.margin_se:.4f}), but it lies only {inf.spread:.3f} above the median candidate (at least "
+            f"{cfg.min_spread:g} needed): this draft barely depends on which layers it reads, so its best fit "
+            "says nothing about what it was trained on"
+        )
     else:
         verdict = "inconclusive"
-        summary = (f"inconclusive: the best set {', '.join(best.boundaries)} (agreement {inf.pooled(inf.best):.3f}) "
-                   f"leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
-                   f"errors ({inf.margin_se:.4f}) -- an untrained draft, the wrong target, or too few prompts "
-                   f"({n_prompts})")
+        summary = (
+            f"inconclusive: the best set {', '.join(best.boundaries)} (agreement {inf.pooled(inf.best):.3f}) "
+            f"leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
+            f"errors ({inf.margin_se:.4f}) -- an untrained draft, the wrong target, or too few prompts "
+            f"({n_prompts})"
+        )
     notes = list(draft.notes)
     provenance = "inferred" if verdict == "inferred" else None
     declared = None
     if cfg.trained_on:
         declared = [conventions.boundary_point(k, n) for k in _given(cfg.trained_on, draft.num_aux, n)]
-        agrees = ("cannot confirm it" if verdict != "inferred" else "agrees" if best.points == declared
-                  else "conclusively disagrees")
-        summary = (f"declared trained on {', '.join(conventions.boundary_label(p, n) for p in declared)}; the probe's "
-                   f"evidence {agrees}: {summary}")
+        agrees = (
+            "cannot confirm it"
+            if verdict != "inferred"
+            else "agrees"
+            if best.points == declared
+            else "conclusively disagrees"
+        )
+        summary = (
+            f"declared trained on {', '.join(conventions.boundary_label(p, n) for p in declared)}; the probe's "
+            f"evidence {agrees}: {summary}"
+        )
         if agrees == "conclusively disagrees":
             notes.append("the probe's evidence contradicts the declared training layers: check the training config")
         verdict, provenance = "declared", "declared"
     if not draft.claimed:
         notes.append("the config names no aux ids: every engine would use its default")
     return ProbeReport(
-        verdict=verdict, summary=summary, draft=str(draft.directory), layout=draft.layout, target=str(cfg.target.path),
-        declared=declared if cfg.trained_on else None, provenance=provenance,
-        num_layers=n, prompts=n_prompts, positions=int(inf.counted[0].sum()), claimed=draft.claimed, best=best,
-        runner_up=ru, margin=round(inf.margin, 5), margin_se=round(inf.margin_se, 5), z=cfg.z,
+        verdict=verdict,
+        summary=summary,
+        draft=str(draft.directory),
+        layout=draft.layout,
+        target=str(cfg.target.path),
+        declared=declared if cfg.trained_on else None,
+        provenance=provenance,
+        num_layers=n,
+        prompts=n_prompts,
+        positions=int(inf.counted[0].sum()),
+        claimed=draft.claimed,
+        best=best,
+        runner_up=ru,
+        margin=round(inf.margin, 5),
+        margin_se=round(inf.margin_se, 5),
+        z=cfg.z,
         spread=round(inf.spread, 5),
-        slots=[{"slot": e.slot, "boundary": conventions.boundary_label(inf.points[e.best], n),
+        slots=[
+            {
+                "slot": e.slot,
+                "boundary": conventions.boundary_label(inf.points[e.best], n),
                 "next_best": None if e.runner_up is None else conventions.boundary_label(inf.points[e.runner_up], n),
-                "margin": None if e.runner_up is None else round(e.margin, 5), "margin_se": round(e.margin_se, 5),
-                "conclusive": inf.slot_conclusive(e)} for e in inf.slots],
-        evaluated=len(inf.ranked), claimed_readings=claimed, notes=notes)
+                "margin": None if e.runner_up is None else round(e.margin, 5),
+                "margin_se": round(e.margin_se, 5),
+                "conclusive": inf.slot_conclusive(e),
+            }
+            for e in inf.slots
+        ],
+        evaluated=len(inf.ranked),
+        claimed_readings=claimed,
+        notes=notes,
+    )

@@ -6,31 +6,46 @@ from schemas.probe import ProbeReport
 
 
 def summary(r: ProbeReport) -> list[str]:
-    head = {"inferred": "INFERRED", "inconclusive": "INCONCLUSIVE", "declared": "DECLARED", "pass": "PASS",
-            "block": "BLOCK"}[r.verdict]
+    head = {
+        "inferred": "INFERRED",
+        "inconclusive": "INCONCLUSIVE",
+        "declared": "DECLARED",
+        "pass": "PASS",
+        "block": "BLOCK",
+    }[r.verdict]
     lines = [f"{head}  {r.draft} ({r.layout} layout) for {r.target} ({r.num_layers} layers)", f"  {r.summary}"]
     claimed = "; ".join(f"{k} = {v}" for k, v in r.claimed.items()) or "none (engines would use their defaults)"
     lines.append(f"  ids in the config: {claimed}")
-    lines.append(f"  evidence: {r.prompts} prompts, {r.positions} positions, {r.evaluated} candidate sets; agreement "
-                 f"per TTT step: best {r.best.agreement}, runner-up {r.runner_up.agreement}")
+    lines.append(
+        f"  evidence: {r.prompts} prompts, {r.positions} positions, {r.evaluated} candidate sets; agreement "
+        f"per TTT step: best {r.best.agreement}, runner-up {r.runner_up.agreement}"
+    )
     for e in r.slots:  # conditional: the other slots held at the best set
-        rival = f"next best {e['next_best']} by {e['margin']:.4f} +- {e['margin_se']:.4f}" if e["next_best"] else "no rival"
-        lines.append(f"  slot {e['slot']}, the others as in the best set: {e['boundary']} ({rival})"
-                     f"{'' if e['conclusive'] else ', within noise'}")
+        rival = (
+            f"next best {e['next_best']} by {e['margin']:.4f} +- {e['margin_se']:.4f}" if e["next_best"] else "no rival"
+        )
+        lines.append(
+            f"  slot {e['slot']}, the others as in the best set: {e['boundary']} ({rival})"
+            f"{'' if e['conclusive'] else ', within noise'}"
+        )
     if r.verdict != "inconclusive":
         for c in r.claimed_readings:
             if c["agreement"] is None:
                 continue
             mark = "= the inferred set" if c["is_the_inferred_set"] else "   a different set"
-            lines.append(f"  {mark}: {', '.join(c['boundaries'])} (agreement {c['agreement']:.3f}) read by "
-                         f"{'; '.join(c['read_by'][:3])}{' ...' if len(c['read_by']) > 3 else ''}")
+            lines.append(
+                f"  {mark}: {', '.join(c['boundaries'])} (agreement {c['agreement']:.3f}) read by "
+                f"{'; '.join(c['read_by'][:3])}{' ...' if len(c['read_by']) > 3 else ''}"
+            )
     if r.serving:
         if "not_compared" in r.serving:
             lines.append(f"  serving: not compared ({r.serving['not_compared']})")
         else:
             for s in r.serving["slots"]:
-                lines.append(f"  slot {s['slot']}: trained on {s['trained']}, fed {s['fed']} ({s['fed_by']})"
-                             f"{'' if s['ok'] else '  <-- wrong'}")
+                lines.append(
+                    f"  slot {s['slot']}: trained on {s['trained']}, fed {s['fed']} ({s['fed_by']})"
+                    f"{'' if s['ok'] else '  <-- wrong'}"
+                )
             lines += [f"  - {x}" for x in r.reasons]
     lines += [f"  note: {x}" for x in r.notes]
     return lines

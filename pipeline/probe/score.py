@@ -14,8 +14,9 @@ from pipeline.probe.capture import ProbeCapture
 
 
 @torch.no_grad()
-def agreement(draft: Eagle3Draft, cap: ProbeCapture, aux: tuple[int, ...], steps: int = 1
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def agreement(
+    draft: Eagle3Draft, cap: ProbeCapture, aux: tuple[int, ...], steps: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(hits [steps, P], counted [steps, P]) with ``cap.states[aux[j]]`` fed to slot j."""
     P, T = cap.tokens.shape
     x = torch.cat([cap.states[i] for i in aux], dim=-1)

@@ -26,7 +26,7 @@ Aux = tuple[int, ...]  # indices into ProbeCapture.points, one per slot
 @dataclass
 class Scored:
     aux: Aux
-    hits: torch.Tensor                       # [steps, P]
+    hits: torch.Tensor  # [steps, P]
     why: list[str] = field(default_factory=list)
 
 
@@ -35,7 +35,7 @@ class SlotEvidence:
     """One slot, the others held at the best set: its best boundary against its next best."""
 
     slot: int
-    best: int                                # index into Inference.points
+    best: int  # index into Inference.points
     runner_up: int | None
     margin: float
     margin_se: float
@@ -43,14 +43,14 @@ class SlotEvidence:
 
 @dataclass
 class Inference:
-    points: list[CapturePoint]               # the capture's boundaries, r_0..r_N
-    counted: torch.Tensor                    # [steps, P]
-    ranked: list[Scored]                     # best first
-    margin: float                            # agreement(best) - agreement(runner-up), all steps pooled
-    margin_se: float                         # its standard error over resampled prompts
-    z: float                                 # how many standard errors make it conclusive
+    points: list[CapturePoint]  # the capture's boundaries, r_0..r_N
+    counted: torch.Tensor  # [steps, P]
+    ranked: list[Scored]  # best first
+    margin: float  # agreement(best) - agreement(runner-up), all steps pooled
+    margin_se: float  # its standard error over resampled prompts
+    z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
-    min_spread: float = 0.0                  # how far the best must lie above the median candidate
+    min_spread: float = 0.0  # how far the best must lie above the median candidate
 
     @property
     def spread(self) -> float:
@@ -91,8 +91,7 @@ def _ascending(aux: Aux) -> bool:
     return all(a < b for a, b in zip(aux, aux[1:], strict=False))
 
 
-def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux: int, n: int
-                    ) -> dict[Aux, list[str]]:
+def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux: int, n: int) -> dict[Aux, list[str]]:
     """The readings (of the draft's slot count), each shifted by +-1..3, and with the embedding inserted."""
     out: dict[Aux, list[str]] = {}
 
@@ -114,9 +113,18 @@ def seed_candidates(readings: dict[tuple[CapturePoint, ...], list[str]], num_aux
     return out
 
 
-def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], steps: int = 1,
-          rounds: int = 4, resamples: int = 1000, z: float = 3.0, seed: int = 0, progress=None,
-          min_spread: float = 0.0) -> Inference:
+def infer(
+    draft: Eagle3Draft,
+    cap: ProbeCapture,
+    seeds: dict[Aux, list[str]],
+    steps: int = 1,
+    rounds: int = 4,
+    resamples: int = 1000,
+    z: float = 3.0,
+    seed: int = 0,
+    progress=None,
+    min_spread: float = 0.0,
+) -> Inference:
     """Score the seeds, then search slot by slot from the best; rank everything evaluated."""
     n_aux, n_b = draft.config.num_aux, len(cap.points)
     scored: dict[Aux, Scored] = {}
@@ -146,7 +154,7 @@ def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], st
             cur = best().aux
             lo = cur[slot - 1] + 1 if slot else 0
             hi = cur[slot + 1] if slot + 1 < n_aux else n_b
-            evaluate(((*cur[:slot], k, *cur[slot + 1:]), f"per-slot search (slot {slot})") for k in range(lo, hi))
+            evaluate(((*cur[:slot], k, *cur[slot + 1 :]), f"per-slot search (slot {slot})") for k in range(lo, hi))
         if best().aux == start:
             break
     ranked = sorted(scored.values(), key=lambda s: (-int(s.hits.sum()), sum(s.aux)))
@@ -157,8 +165,11 @@ def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], st
     top = ranked[0]
     slots = []
     for j in range(n_aux):  # which slots the evidence pins down, and which the draft barely uses
-        rivals = [x for x in ranked[1:] if x.aux[j] != top.aux[j] and all(
-            x.aux[i] == top.aux[i] for i in range(n_aux) if i != j)]
+        rivals = [
+            x
+            for x in ranked[1:]
+            if x.aux[j] != top.aux[j] and all(x.aux[i] == top.aux[i] for i in range(n_aux) if i != j)
+        ]
         if not rivals:
             slots.append(SlotEvidence(j, top.aux[j], None, float("inf"), 0.0))
             continue
@@ -169,7 +180,7 @@ def infer(draft: Eagle3Draft, cap: ProbeCapture, seeds: dict[Aux, list[str]], st
 
 def _margin(a: torch.Tensor, b: torch.Tensor, counted: torch.Tensor, resamples: int, seed: int) -> tuple[float, float]:
     """Pooled agreement difference and its bootstrap standard error over prompts."""
-    diff, cnt = (a - b).sum(0).double(), counted.sum(0).double()   # per prompt
+    diff, cnt = (a - b).sum(0).double(), counted.sum(0).double()  # per prompt
     margin = float(diff.sum() / cnt.sum().clamp(min=1))
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=g)

@@ -88,19 +88,31 @@ class RegenerateWorker:
         lines = []
         for c in convs:
             if not any(m["role"] == "assistant" for m in c.done):
-                quarantine.append({"row": c.row, "reason": "no assistant turn survived regeneration (an empty "
-                                   "response, or a prompt over max_length)"})
+                quarantine.append(
+                    {
+                        "row": c.row,
+                        "reason": "no assistant turn survived regeneration (an empty "
+                        "response, or a prompt over max_length)",
+                    }
+                )
                 continue
             lines.append(json.dumps({"messages": c.done}, ensure_ascii=False) + "\n")
         blob = "".join(lines).encode()
         path, record_path = unit_paths(unit)
         atomic_write_bytes(self.fs, join(self.root, path), blob)
-        rec = UnitRecord(unit=unit, start=start, rows=len(rows), written=len(lines), quarantined=len(quarantine),
-                         path=path, sha256=hashlib.sha256(blob).hexdigest(),
-                         quarantine=sorted(quarantine, key=lambda q: q["row"]), **counts)
+        rec = UnitRecord(
+            unit=unit,
+            start=start,
+            rows=len(rows),
+            written=len(lines),
+            quarantined=len(quarantine),
+            path=path,
+            sha256=hashlib.sha256(blob).hexdigest(),
+            quarantine=sorted(quarantine, key=lambda q: q["row"]),
+            **counts,
+        )
         atomic_write_bytes(self.fs, join(self.root, record_path), rec.model_dump_json().encode())
         return rec.model_dump_json()
 
     def close(self) -> None:
         self.gen.close()
-

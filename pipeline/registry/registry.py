@@ -75,22 +75,29 @@ class Registry:
         """Why a stored record does not vouch for ``digest`` under ``serving`` (empty: it does)."""
         problems = []
         if key.rsplit("/", 1)[-1] != f"{record.digest}.json":
-            problems.append(f"{key} does not hold the record its name says (content digest {record.digest[:16]}): "
-                            "edited after it was written")
+            problems.append(
+                f"{key} does not hold the record its name says (content digest {record.digest[:16]}): "
+                "edited after it was written"
+            )
         if record.artifact_digest != digest:
             problems.append(f"{key} is a record of artifact {record.artifact_digest[:16]}, not {digest[:16]}")
         if serving is not None and record.serving != serving:
-            problems.append(f"{key} was validated for serving configuration {record.serving.key}, not exactly "
-                            f"{serving.key}")
+            problems.append(
+                f"{key} was validated for serving configuration {record.serving.key}, not exactly {serving.key}"
+            )
         try:
             created = datetime.fromisoformat(record.created_at)
             if created.tzinfo is None or created > datetime.now(UTC) + CLOCK_SKEW:
                 problems.append(f"{key} is dated {record.created_at}, in the future")
         except ValueError:
             problems.append(f"{key} has no valid created_at ({record.created_at!r})")
-        if self._key is not None and not (record.signature and hmac.compare_digest(record.signature, self._sign(record))):
-            problems.append(f"{key} is {'not signed' if not record.signature else 'signed with another key'}: only a "
-                            f"writer holding {SIGNING_KEY_ENV} may record validations")
+        if self._key is not None and not (
+            record.signature and hmac.compare_digest(record.signature, self._sign(record))
+        ):
+            problems.append(
+                f"{key} is {'not signed' if not record.signature else 'signed with another key'}: only a "
+                f"writer holding {SIGNING_KEY_ENV} may record validations"
+            )
         return problems
 
     # -- audit ----------------------------------------------------------------------------
@@ -115,7 +122,9 @@ class Registry:
         manifest = DraftArtifactManifest.model_validate_json((d / ARTIFACT_MANIFEST).read_text())
         actual = content_digest(d)
         if actual != manifest.content_digest:
-            raise ValueError(f"{d}: content digest {actual[:16]} does not match its manifest's {manifest.content_digest[:16]}")
+            raise ValueError(
+                f"{d}: content digest {actual[:16]} does not match its manifest's {manifest.content_digest[:16]}"
+            )
         base = f"artifacts/{manifest.content_digest}"
         if self.store.get(f"{base}/{ARTIFACT_MANIFEST}") is None:
             extra = [manifest.fingerprints["path"]] if manifest.fingerprints else []
@@ -126,8 +135,11 @@ class Registry:
                 self.store.put(f"{base}/{ARTIFACT_MANIFEST}", (d / ARTIFACT_MANIFEST).read_bytes(), if_none_match=True)
             except PreconditionFailed:
                 pass  # a concurrent upload of the same content won; identical bytes
-            self._audit(AuditEntry(action="add_artifact", decision="accepted", artifact_digest=manifest.content_digest,
-                                   actor=_actor()))
+            self._audit(
+                AuditEntry(
+                    action="add_artifact", decision="accepted", artifact_digest=manifest.content_digest, actor=_actor()
+                )
+            )
         return manifest
 
     def fetch_artifact(self, digest: str, dest: str | Path) -> Path:
@@ -150,10 +162,17 @@ class Registry:
 
     def record_run(self, record) -> None:
         """A retrain pass's run record (schemas.retrain.RunRecord), in the audit log."""
-        self._audit(AuditEntry(action="retrain", decision="refused" if record.outcome in ("refused", "failed") else
-                               "accepted", channel=record.channel, artifact_digest=record.artifact_digest,
-                               reasons=[record.message, *record.reasons], actor=_actor(),
-                               details=record.model_dump(mode="json")))
+        self._audit(
+            AuditEntry(
+                action="retrain",
+                decision="refused" if record.outcome in ("refused", "failed") else "accepted",
+                channel=record.channel,
+                artifact_digest=record.artifact_digest,
+                reasons=[record.message, *record.reasons],
+                actor=_actor(),
+                details=record.model_dump(mode="json"),
+            )
+        )
 
     def artifact(self, digest: str) -> DraftArtifactManifest | None:
         check_digest(digest)
@@ -173,17 +192,23 @@ class Registry:
             record = record.model_copy(update={"signature": self._sign(record)})
         key = f"records/{record.artifact_digest}/{record.serving.key}/{record.digest}.json"
         self.store.put(key, record.model_dump_json().encode(), if_none_match=True)
-        self._audit(AuditEntry(action="add_record", decision="accepted", artifact_digest=record.artifact_digest,
-                               serving_key=record.serving.key, reasons=[f"{record.decision}: {r}" for r in record.reasons],
-                               actor=_actor()))
+        self._audit(
+            AuditEntry(
+                action="add_record",
+                decision="accepted",
+                artifact_digest=record.artifact_digest,
+                serving_key=record.serving.key,
+                reasons=[f"{record.decision}: {r}" for r in record.reasons],
+                actor=_actor(),
+            )
+        )
         return key
 
     def records(self, digest: str, serving: Deployment | None = None) -> list[ValidationRecord]:
         """The records that vouch for ``digest`` (under ``serving``, when given), oldest first."""
         return [r for r, problems in self.all_records(digest, serving) if not problems]
 
-    def all_records(self, digest: str, serving: Deployment | None = None
-                    ) -> list[tuple[ValidationRecord, list[str]]]:
+    def all_records(self, digest: str, serving: Deployment | None = None) -> list[tuple[ValidationRecord, list[str]]]:
         """Every record stored under ``digest`` with what is wrong with it, oldest first."""
         check_digest(digest)
         prefix = f"records/{digest}/" + (f"{serving.key}/" if serving else "")
@@ -211,8 +236,11 @@ class Registry:
             if existing is None or existing.serving != serving:
                 raise ValueError(f"channel {channel!r} exists with another serving configuration") from None
             return existing
-        self._audit(AuditEntry(action="create_channel", decision="accepted", channel=channel, serving_key=serving.key,
-                               actor=_actor()))
+        self._audit(
+            AuditEntry(
+                action="create_channel", decision="accepted", channel=channel, serving_key=serving.key, actor=_actor()
+            )
+        )
         return spec
 
     def channel_spec(self, channel: str) -> ChannelSpec | None:
@@ -247,20 +275,28 @@ class Registry:
                 reasons.append(
                     f"no validation record of artifact {digest[:16]} for channel {channel!r}'s serving configuration "
                     f"{spec.serving.key} ({spec.serving.engine} {spec.serving.engine_version}, {spec.serving.dtype}, "
-                    f"TP {spec.serving.tp_size})" + (f"; records exist for {sorted({r.serving.key for r in others})}" if others else "")
+                    f"TP {spec.serving.tp_size})"
+                    + (f"; records exist for {sorted({r.serving.key for r in others})}" if others else "")
                 )
                 reasons += [p for _, problems in found for p in problems]
             else:
                 record = recs[-1]
                 if record.decision != "pass":
-                    reasons.append(f"the latest validation of {digest[:16]} for this serving configuration blocked it: "
-                                   + "; ".join(record.reasons))
+                    reasons.append(
+                        f"the latest validation of {digest[:16]} for this serving configuration blocked it: "
+                        + "; ".join(record.reasons)
+                    )
         if reasons:
             self._refuse(channel, digest, spec, reasons)
         current, etag = self.pointer(channel)
-        new = ChannelPointer(channel=channel, artifact_digest=digest, record_id=record.record_id,  # type: ignore[union-attr]
-                             record_digest=record.digest,  # type: ignore[union-attr]
-                             serving_key=spec.serving.key, previous_digest=current.artifact_digest if current else None)  # type: ignore[union-attr]
+        new = ChannelPointer(
+            channel=channel,
+            artifact_digest=digest,
+            record_id=record.record_id,  # type: ignore[union-attr]
+            record_digest=record.digest,  # type: ignore[union-attr]
+            serving_key=spec.serving.key,
+            previous_digest=current.artifact_digest if current else None,
+        )  # type: ignore[union-attr]
         try:
             if etag is None:
                 self.store.put(f"channels/{channel}/pointer.json", new.model_dump_json().encode(), if_none_match=True)
@@ -268,13 +304,30 @@ class Registry:
                 self.store.put(f"channels/{channel}/pointer.json", new.model_dump_json().encode(), if_match=etag)
         except PreconditionFailed:
             self._refuse(channel, digest, spec, [f"channel {channel!r} was updated concurrently; re-read it and retry"])
-        self._audit(AuditEntry(action="promote", decision="accepted", channel=channel, artifact_digest=digest,
-                               serving_key=spec.serving.key, reasons=[f"record {record.record_id} passed"], actor=_actor()))  # type: ignore[union-attr]
+        self._audit(
+            AuditEntry(
+                action="promote",
+                decision="accepted",
+                channel=channel,
+                artifact_digest=digest,
+                serving_key=spec.serving.key,
+                reasons=[f"record {record.record_id} passed"],
+                actor=_actor(),
+            )
+        )  # type: ignore[union-attr]
         log.info("channel %s -> %s", channel, digest[:16])
         return new
 
     def _refuse(self, channel: str, digest: str, spec: ChannelSpec | None, reasons: list[str]) -> None:
-        self._audit(AuditEntry(action="promote", decision="refused", channel=channel, artifact_digest=digest,
-                               serving_key=spec.serving.key if spec else None, reasons=reasons, actor=_actor()))
+        self._audit(
+            AuditEntry(
+                action="promote",
+                decision="refused",
+                channel=channel,
+                artifact_digest=digest,
+                serving_key=spec.serving.key if spec else None,
+                reasons=reasons,
+                actor=_actor(),
+            )
+        )
         raise PromotionRefused(reasons)
-

@@ -43,9 +43,14 @@ class RetrainError(UnusableInput):
 
 
 def _completed_runs(reg: Registry, cfg: RetrainConfig) -> list[dict]:
-    return [e.details for e in reg.history(cfg.channel)
-            if e.action == "retrain" and e.details and e.details.get("name") == cfg.name
-            and e.details.get("outcome") in ("promoted", "blocked", "refused")]
+    return [
+        e.details
+        for e in reg.history(cfg.channel)
+        if e.action == "retrain"
+        and e.details
+        and e.details.get("name") == cfg.name
+        and e.details.get("outcome") in ("promoted", "blocked", "refused")
+    ]
 
 
 def run_retrain(cfg: RetrainConfig, progress: bool = True) -> RunRecord:
@@ -53,15 +58,25 @@ def run_retrain(cfg: RetrainConfig, progress: bool = True) -> RunRecord:
     reg = Registry(open_store(cfg.registry, cfg.s3))
     spec = reg.channel_spec(cfg.channel)
     if spec is None:
-        raise RetrainError(f"channel {cfg.channel!r} does not exist in {cfg.registry}: create it with "
-                           "`strata registry create-channel` (its serving configuration) first")
+        raise RetrainError(
+            f"channel {cfg.channel!r} does not exist in {cfg.registry}: create it with "
+            "`strata registry create-channel` (its serving configuration) first"
+        )
     run_id = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ") + "-" + uuid.uuid4().hex[:6]
     with Lease(reg.store, f"retrain-{cfg.name}", cfg.lease_ttl_s, run_id) as lease:
         try:
             record = _pass(cfg, reg, spec, run_id, lease, progress)
         except Exception as e:
-            reg.record_run(RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key="", outcome="failed",
-                                     message=f"{type(e).__name__}: {e}"))
+            reg.record_run(
+                RunRecord(
+                    run_id=run_id,
+                    name=cfg.name,
+                    channel=cfg.channel,
+                    target_key="",
+                    outcome="failed",
+                    message=f"{type(e).__name__}: {e}",
+                )
+            )
             raise
         reg.record_run(record)
     log.info("retrain %s: %s - %s", run_id, record.outcome, record.message)
@@ -73,11 +88,11 @@ class _Survey:
     """What the channel serves and what the source holds now, for this target identity."""
 
     current: DraftArtifactManifest | None  # the channel's artifact
-    changed: bool                          # the target identity differs from the channel's
+    changed: bool  # the target identity differs from the channel's
     lineage: str
-    latest: tuple | None                   # (DatasetVersion, uri) of the lineage's newest version
-    changes: list[str]                     # how the extraction recipe differs from the latest's
-    base: tuple | None                     # the version new rows are added to (None: start over)
+    latest: tuple | None  # (DatasetVersion, uri) of the lineage's newest version
+    changes: list[str]  # how the extraction recipe differs from the latest's
+    base: tuple | None  # the version new rows are added to (None: start over)
     source_rows: int
     fresh: list
     digests: list
@@ -88,41 +103,73 @@ def _survey(cfg: RetrainConfig, reg: Registry, identity) -> _Survey:
     current = reg.artifact(pointer.artifact_digest) if pointer else None
     lineage = versions.lineage_uri(cfg.data_root, identity)
     latest = versions.latest_version(lineage, cfg.s3)
-    changes = versions.recipe_changes(versions.manifest_recipe(load_manifest(latest[1], cfg.s3)),
-                                      versions.config_recipe(cfg, identity)) if latest else []
+    changes = (
+        versions.recipe_changes(
+            versions.manifest_recipe(load_manifest(latest[1], cfg.s3)), versions.config_recipe(cfg, identity)
+        )
+        if latest
+        else []
+    )
     base = None if changes else latest  # a version only inherits rows extracted the same way
     seen = versions.seen_digests(base[1], cfg.s3) if base else set()
     source_rows, fresh, digests = versions.new_rows(cfg, seen)
-    return _Survey(current, current is not None and current.target.key != identity.key, lineage, latest, changes,
-                   base, source_rows, fresh, digests)
+    return _Survey(
+        current,
+        current is not None and current.target.key != identity.key,
+        lineage,
+        latest,
+        changes,
+        base,
+        source_rows,
+        fresh,
+        digests,
+    )
 
 
 def _pass(cfg: RetrainConfig, reg: Registry, spec, run_id: str, lease: Lease, progress: bool) -> RunRecord:
     """Survey, extract what is new, train, then validate and promote through the gate."""
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     sv = _survey(cfg, reg, identity)
-    rec = RunRecord(run_id=run_id, name=cfg.name, channel=cfg.channel, target_key=identity.key, outcome="noop",
-                    message="", source_rows=sv.source_rows, new_rows=len(sv.fresh), identity_changed=sv.changed,
-                    recipe_changes=sv.changes)
+    rec = RunRecord(
+        run_id=run_id,
+        name=cfg.name,
+        channel=cfg.channel,
+        target_key=identity.key,
+        outcome="noop",
+        message="",
+        source_rows=sv.source_rows,
+        new_rows=len(sv.fresh),
+        identity_changed=sv.changed,
+        recipe_changes=sv.changes,
+    )
     if sv.changed:
-        log.info("target identity changed (%s -> %s): a new lineage, everything is extracted again",
-                 sv.current.target.key[:12], identity.key[:12])  # type: ignore[union-attr]
+        log.info(
+            "target identity changed (%s -> %s): a new lineage, everything is extracted again",
+            sv.current.target.key[:12],
+            identity.key[:12],
+        )  # type: ignore[union-attr]
     if sv.changes:
-        log.info("extraction changed since %s (%s): a new base version, everything is extracted again",
-                 sv.latest[0].dataset_id, "; ".join(sv.changes))  # type: ignore[index]
+        log.info(
+            "extraction changed since %s (%s): a new base version, everything is extracted again",
+            sv.latest[0].dataset_id,
+            "; ".join(sv.changes),
+        )  # type: ignore[index]
     if not sv.fresh and sv.base is None:
         rec.message = f"the source {cfg.source.uri} has no rows to extract"
         return rec
     done = {r.get("dataset_id") for r in _completed_runs(reg, cfg)}
     if not sv.fresh and sv.latest is not None and sv.latest[0].dataset_id in done:
         rec.dataset_id, rec.dataset_version = sv.latest[0].dataset_id, sv.latest[0].version
-        rec.message = (f"nothing new: all {sv.source_rows} source rows are in {sv.latest[0].dataset_id}, which a "
-                       "previous run already trained and validated; no extraction, no training")
+        rec.message = (
+            f"nothing new: all {sv.source_rows} source rows are in {sv.latest[0].dataset_id}, which a "
+            "previous run already trained and validated; no extraction, no training"
+        )
         return rec
     if sv.fresh:
         number = sv.latest[0].version + 1 if sv.latest else 1
-        version, uri = versions.build_version(cfg, identity, sv.lineage, number, sv.base, sv.fresh, sv.source_rows,
-                                              sv.digests, progress)
+        version, uri = versions.build_version(
+            cfg, identity, sv.lineage, number, sv.base, sv.fresh, sv.source_rows, sv.digests, progress
+        )
         rec.extracted_rows = len(sv.fresh)
     else:
         version, uri = sv.latest  # type: ignore[misc]  # extracted by a run that did not finish training
@@ -167,9 +214,11 @@ def _validate_and_promote(cfg: RetrainConfig, reg: Registry, spec, out: str, lea
         rec.message = f"the gate refused {report.artifact_digest[:16]} for {cfg.channel}; channel unchanged"
         return rec
     rec.outcome = "promoted"
-    rec.message = (f"{cfg.channel} -> {report.artifact_digest[:16]}: {rec.extracted_rows} rows extracted, trained "
-                   f"{'warm from ' + rec.warm_start_from[:16] if rec.warm_start_from else 'from scratch'} on "
-                   f"{rec.dataset_id}")
+    rec.message = (
+        f"{cfg.channel} -> {report.artifact_digest[:16]}: {rec.extracted_rows} rows extracted, trained "
+        f"{'warm from ' + rec.warm_start_from[:16] if rec.warm_start_from else 'from scratch'} on "
+        f"{rec.dataset_id}"
+    )
     return rec
 
 

@@ -72,8 +72,10 @@ def recipe(extraction: dict, columns: list[TensorProvenance]) -> dict:
     """What decides a version's values besides the target: extraction settings (not paths)
     and each column's provenance (engine and release, dtype, encoding)."""
     settings = {k: v for k, v in extraction.items() if k not in ("target", "source", "output", "fingerprint")}
-    return {"extraction": settings,
-            "columns": {str(c.capture_point): c.model_dump(mode="json", exclude={"capture_point"}) for c in columns}}
+    return {
+        "extraction": settings,
+        "columns": {str(c.capture_point): c.model_dump(mode="json", exclude={"capture_point"}) for c in columns},
+    }
 
 
 def manifest_recipe(m: DatasetManifest) -> dict:
@@ -88,7 +90,11 @@ def config_recipe(cfg: RetrainConfig, identity: TargetIdentity) -> dict:
 def recipe_changes(old: dict, new: dict) -> list[str]:
     """``extraction.engine.dtype: float32 -> bfloat16``-style lines, one per setting that differs."""
     a, b = _flat(old), _flat(new)
-    return [f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    return [
+        f"{k}: {a.get(k, '(none)')} -> {b.get(k, '(none)')}"
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k) != b.get(k)
+    ]
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -117,9 +123,17 @@ def new_rows(cfg: RetrainConfig, seen: set[str]) -> tuple[int, list[bytes], set[
     return len(scan.rows), fresh, digests
 
 
-def build_version(cfg: RetrainConfig, identity: TargetIdentity, lineage: str, v: int,
-                  previous: tuple[DatasetVersion, str] | None, rows: list[bytes], source_rows: int, digests: set[str],
-                  progress: bool) -> tuple[DatasetVersion, str]:
+def build_version(
+    cfg: RetrainConfig,
+    identity: TargetIdentity,
+    lineage: str,
+    v: int,
+    previous: tuple[DatasetVersion, str] | None,
+    rows: list[bytes],
+    source_rows: int,
+    digests: set[str],
+    progress: bool,
+) -> tuple[DatasetVersion, str]:
     """Extract ``rows`` into version ``v`` that inherits every shard of ``previous`` (None: a base version)."""
     uri = version_uri(lineage, v)
     fs, root = resolve(uri, cfg.s3)
@@ -132,51 +146,90 @@ def build_version(cfg: RetrainConfig, identity: TargetIdentity, lineage: str, v:
     if cfg.use_ray:  # one Ray for the pass, with the dashboard the training that follows needs
         init_ray(part_cfg.ray.address)
     part = run_extract(part_cfg, progress=progress, use_ray=cfg.use_ray)
-    manifest = compose(part, previous[1] if previous else None, f"{part.target.model_name}-{identity.key[:12]}-v{v:04d}",
-                       cfg.s3)
+    manifest = compose(
+        part, previous[1] if previous else None, f"{part.target.model_name}-{identity.key[:12]}-v{v:04d}", cfg.s3
+    )
     whole = cfg.extract_config(uri, uri)  # the version root, for fingerprints over all its samples
     if whole.fingerprint.probe_samples:
         manifest.fingerprints = fingerprint_dataset(whole, manifest)
     seen = (seen_digests(previous[1], cfg.s3) if previous else set()) | digests
-    version = DatasetVersion(version=v, dataset_id=manifest.dataset_id, target_key=identity.key,
-                             parent=previous[0].dataset_id if previous else None, source_uri=cfg.source.uri,
-                             source_rows=source_rows, new_rows=len(rows), seen_rows=len(seen),
-                             created_at=datetime.now(UTC).isoformat(timespec="seconds"))
+    version = DatasetVersion(
+        version=v,
+        dataset_id=manifest.dataset_id,
+        target_key=identity.key,
+        parent=previous[0].dataset_id if previous else None,
+        source_uri=cfg.source.uri,
+        source_rows=source_rows,
+        new_rows=len(rows),
+        seen_rows=len(seen),
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
     atomic_write_bytes(fs, join(root, SEEN_FILE), json.dumps(sorted(seen)).encode())
     atomic_write_bytes(fs, join(root, VERSION_FILE), version.model_dump_json(indent=1).encode())
     atomic_write_bytes(fs, join(root, MANIFEST_NAME), manifest.model_dump_json(indent=1).encode())  # commit point
     DatasetReader(uri, cfg.s3).verify_all()
-    log.info("version %s: %d rows (%d inherited), %d shards", manifest.dataset_id, manifest.totals.rows,
-             manifest.totals.rows - part.totals.rows, manifest.totals.shards)
+    log.info(
+        "version %s: %d rows (%d inherited), %d shards",
+        manifest.dataset_id,
+        manifest.totals.rows,
+        manifest.totals.rows - part.totals.rows,
+        manifest.totals.shards,
+    )
     return version, uri
 
 
 def compose(part: DatasetManifest, parent_uri: str | None, dataset_id: str, s3=None) -> DatasetManifest:
     """The version manifest: the parent's shards (paths into the parent's directory) + the part's."""
-    own = [s.model_copy(update={"path": posixpath.join("part", s.path) if s.path else None,
-                                "quarantine_path": posixpath.join("part", s.quarantine_path) if s.quarantine_path else None})
-           for s in part.shards]
+    own = [
+        s.model_copy(
+            update={
+                "path": posixpath.join("part", s.path) if s.path else None,
+                "quarantine_path": posixpath.join("part", s.quarantine_path) if s.quarantine_path else None,
+            }
+        )
+        for s in part.shards
+    ]
     inherited, parents = [], []
     if parent_uri is not None:
         parent = load_manifest(parent_uri, s3)
         if parent.target.key != part.target.key or [str(p) for p in parent.capture_points] != [
-                str(p) for p in part.capture_points]:
+            str(p) for p in part.capture_points
+        ]:
             raise RuntimeError(f"{parent_uri} holds another target or other capture points; versions never mix them")
         name = posixpath.basename(parent_uri.rstrip("/"))
 
         def rel(p: str | None) -> str | None:
             return posixpath.normpath(posixpath.join("..", name, p)) if p else None
 
-        inherited = [s.model_copy(update={"path": rel(s.path), "quarantine_path": rel(s.quarantine_path),
-                                          "inherited_from": s.inherited_from or parent.dataset_id}) for s in parent.shards]
+        inherited = [
+            s.model_copy(
+                update={
+                    "path": rel(s.path),
+                    "quarantine_path": rel(s.quarantine_path),
+                    "inherited_from": s.inherited_from or parent.dataset_id,
+                }
+            )
+            for s in parent.shards
+        ]
         parents = [*parent.parents, parent.dataset_id]
     shards = inherited + own
-    m = part.model_copy(update={
-        "dataset_id": dataset_id, "shards": shards, "parents": parents, "fingerprints": None,
-        "quarantine_path": posixpath.join("part", part.quarantine_path) if part.quarantine_path else None,
-        "totals": Totals(input_rows=sum(s.rows + s.quarantined for s in shards), rows=sum(s.rows for s in shards),
-                         quarantined=sum(s.quarantined for s in shards), tokens=sum(s.tokens for s in shards),
-                         loss_tokens=sum(s.loss_tokens for s in shards), bytes=sum(s.bytes for s in shards),
-                         shards=sum(1 for s in shards if s.path))})
+    m = part.model_copy(
+        update={
+            "dataset_id": dataset_id,
+            "shards": shards,
+            "parents": parents,
+            "fingerprints": None,
+            "quarantine_path": posixpath.join("part", part.quarantine_path) if part.quarantine_path else None,
+            "totals": Totals(
+                input_rows=sum(s.rows + s.quarantined for s in shards),
+                rows=sum(s.rows for s in shards),
+                quarantined=sum(s.quarantined for s in shards),
+                tokens=sum(s.tokens for s in shards),
+                loss_tokens=sum(s.loss_tokens for s in shards),
+                bytes=sum(s.bytes for s in shards),
+                shards=sum(1 for s in shards if s.path),
+            ),
+        }
+    )
     m.reconcile()
     return m

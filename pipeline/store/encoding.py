@@ -28,7 +28,9 @@ _BITS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 def _compressor() -> zstandard.ZstdCompressor:
     c = getattr(_local, "c", None)
     if c is None:
-        params = zstandard.ZstdCompressionParameters(strategy=zstandard.STRATEGY_FAST, write_content_size=True, **_ZSTD_PARAMS)
+        params = zstandard.ZstdCompressionParameters(
+            strategy=zstandard.STRATEGY_FAST, write_content_size=True, **_ZSTD_PARAMS
+        )
         c = _local.c = zstandard.ZstdCompressor(compression_params=params)
     return c
 

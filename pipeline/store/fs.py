@@ -68,8 +68,10 @@ def full_disk_errors(path: str | os.PathLike) -> Iterator[None]:
     except OSError as e:
         if e.errno != errno.ENOSPC:
             raise
-        raise StoreFull(f"{os.fspath(path)}: no space left on the device: free space and rerun -- committed work "
-                        "is kept and resumed from, nothing partial was left") from None
+        raise StoreFull(
+            f"{os.fspath(path)}: no space left on the device: free space and rerun -- committed work "
+            "is kept and resumed from, nothing partial was left"
+        ) from None
 
 
 def atomic_write_local(path: str | os.PathLike, data: bytes) -> None:

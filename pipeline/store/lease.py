@@ -29,7 +29,7 @@ class LeaseRecord(BaseModel):
     owner: str
     run_id: str
     acquired_at: str
-    expires_at: float          # unix seconds
+    expires_at: float  # unix seconds
 
     def describe(self) -> str:
         left = self.expires_at - time.time()
@@ -71,8 +71,13 @@ class Lease:
     def __init__(self, store: ObjectStore, name: str, ttl_s: float, run_id: str | None = None):
         self.store, self.name, self.ttl_s = store, name, ttl_s
         self.key = f"leases/{name}.json"
-        self.record = LeaseRecord(name=name, owner=f"{socket.gethostname()}:{os.getpid()}",
-                                  run_id=run_id or uuid.uuid4().hex[:12], acquired_at="", expires_at=0)
+        self.record = LeaseRecord(
+            name=name,
+            owner=f"{socket.gethostname()}:{os.getpid()}",
+            run_id=run_id or uuid.uuid4().hex[:12],
+            acquired_at="",
+            expires_at=0,
+        )
         self._etag: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,8 +99,12 @@ class Lease:
                 dead = _dead_on_this_host(holder.owner) or _ended_in_this_process(holder)
                 if holder.expires_at > time.time() and not dead:
                     raise LeaseHeld(holder)
-                log.warning("lease %s: taking over from %s, %s", self.name, holder.describe(),
-                            "its run is gone" if dead else "expired")
+                log.warning(
+                    "lease %s: taking over from %s, %s",
+                    self.name,
+                    holder.describe(),
+                    "its run is gone" if dead else "expired",
+                )
                 self._etag = self.store.put(self.key, self._body(), if_match=cur[1])
         except PreconditionFailed:
             now = self.store.get(self.key)
@@ -135,8 +144,13 @@ class Lease:
                 except PreconditionFailed:
                     log.warning("lease %s changed before release; left as is", self.name)
                 except StoreUnavailable as e:  # never hides the error that ended the run
-                    log.warning("lease %s could not be released (%s): it expires in %.0f s, or at once for a "
-                                "rerun on this host", self.name, e, self.ttl_s)
+                    log.warning(
+                        "lease %s could not be released (%s): it expires in %.0f s, or at once for a "
+                        "rerun on this host",
+                        self.name,
+                        e,
+                        self.ttl_s,
+                    )
             self._etag = None
             _HELD_HERE.discard(self.record.run_id)
 

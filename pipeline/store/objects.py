@@ -23,8 +23,14 @@ class PreconditionFailed(RuntimeError):
     """The object changed (or appeared) since it was read."""
 
 
-_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-                     "InvalidToken", "403")
+_CREDENTIAL_CODES = (
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "AccessDenied",
+    "ExpiredToken",
+    "InvalidToken",
+    "403",
+)
 
 
 def _s3_error(uri: str, key: str, e: Exception) -> Exception | None:
@@ -104,7 +110,9 @@ class LocalStore:
         base = self.root / prefix
         if not base.exists():
             return []
-        return sorted(str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith("."))
+        return sorted(
+            str(p.relative_to(self.root)) for p in base.rglob("*") if p.is_file() and not p.name.startswith(".")
+        )
 
 
 class S3Store:
@@ -172,8 +180,9 @@ class S3Store:
         out = []
         strip = len(self.prefix) + 1 if self.prefix else 0
         try:
-            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                              Prefix=self._key(prefix)):
+            for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix)
+            ):
                 out += [o["Key"][strip:] for o in page.get("Contents", [])]
         except Exception as e:
             raise _s3_error(self.uri, prefix, e) or e from None

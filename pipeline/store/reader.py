@@ -36,8 +36,8 @@ class ShardCorrupt(ValueError):
 @dataclass
 class Sample:
     sample_id: str
-    input_ids: torch.Tensor          # [T] int64
-    loss_mask: torch.Tensor          # [T] bool
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
     tensors: dict[str, torch.Tensor]  # capture point -> [T, H]
 
 
@@ -81,8 +81,7 @@ class DatasetReader:
             missing = [p for p in want if p not in have]
             if missing:
                 raise ProvenanceMismatch(
-                    f"dataset {uri} holds capture points {have}, but the caller expects {want} "
-                    f"({missing} missing)"
+                    f"dataset {uri} holds capture points {have}, but the caller expects {want} ({missing} missing)"
                 )
             self.points = want
         else:
@@ -142,13 +141,17 @@ class DatasetReader:
             ids, rows = table.column("sample_id").to_pylist(), table.column("source_row").to_pylist()
             lo, hi = shard.source_rows
             if len(ids) != shard.rows or any(not lo <= r < hi for r in rows):
-                raise ShardCorrupt(f"shard {shard.path} of {self.uri} holds {len(ids)} rows from source rows "
-                                   f"{min(rows, default=None)}..{max(rows, default=None)}; its unit {shard.unit} covers "
-                                   f"{lo}..{hi - 1} with {shard.rows} rows: the manifest points at another unit's file")
+                raise ShardCorrupt(
+                    f"shard {shard.path} of {self.uri} holds {len(ids)} rows from source rows "
+                    f"{min(rows, default=None)}..{max(rows, default=None)}; its unit {shard.unit} covers "
+                    f"{lo}..{hi - 1} with {shard.rows} rows: the manifest points at another unit's file"
+                )
             for sid in ids:
                 if sid in seen:
-                    raise ShardCorrupt(f"sample {sid} is in shard {shard.path} and in {seen[sid]} of {self.uri}: "
-                                       "the dataset lists a sample twice; re-extract it")
+                    raise ShardCorrupt(
+                        f"sample {sid} is in shard {shard.path} and in {seen[sid]} of {self.uri}: "
+                        "the dataset lists a sample twice; re-extract it"
+                    )
                 seen[sid] = shard.path  # type: ignore[assignment]
 
     def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:

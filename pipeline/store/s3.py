@@ -18,9 +18,9 @@ from schemas.config import S3Config
 
 @dataclass(frozen=True)
 class S3Access:
-    endpoint: str | None        # None: AWS's own
+    endpoint: str | None  # None: AWS's own
     region: str
-    access_key: str | None      # None: the AWS credential chain decides
+    access_key: str | None  # None: the AWS credential chain decides
     secret_key: str | None
     session_token: str | None
 
@@ -29,8 +29,13 @@ def s3_access(s3: S3Config | None = None) -> S3Access:
     """Resolved now (not cached): a credential exported after start-up is the one used."""
     s3 = s3 or S3Config()
     key = os.environ.get("AWS_ACCESS_KEY_ID")
-    return S3Access(s3.endpoint(), s3.region, key, os.environ.get("AWS_SECRET_ACCESS_KEY", "") if key else None,
-                    os.environ.get("AWS_SESSION_TOKEN") if key else None)
+    return S3Access(
+        s3.endpoint(),
+        s3.region,
+        key,
+        os.environ.get("AWS_SECRET_ACCESS_KEY", "") if key else None,
+        os.environ.get("AWS_SESSION_TOKEN") if key else None,
+    )
 
 
 def pyarrow_s3(s3: S3Config | None = None):
@@ -50,8 +55,11 @@ def boto3_s3(s3: S3Config | None = None):
     import boto3
 
     a = s3_access(s3)
-    keys = {"aws_access_key_id": a.access_key, "aws_secret_access_key": a.secret_key,
-            "aws_session_token": a.session_token} if a.access_key else {}
+    keys = (
+        {"aws_access_key_id": a.access_key, "aws_secret_access_key": a.secret_key, "aws_session_token": a.session_token}
+        if a.access_key
+        else {}
+    )
     # A session of its own, so nothing is cached from an earlier client.
     return boto3.session.Session().client("s3", endpoint_url=a.endpoint, region_name=a.region, **keys)
 
@@ -61,13 +69,17 @@ class StoreUnavailable(RuntimeError):
 
 
 def unreachable(uri: str, why: object) -> StoreUnavailable:
-    return StoreUnavailable(f"{uri}: cannot reach the S3 endpoint ({why}); is it running? Re-run once it is back: "
-                            "every write is atomic, so nothing half-written is left")
+    return StoreUnavailable(
+        f"{uri}: cannot reach the S3 endpoint ({why}); is it running? Re-run once it is back: "
+        "every write is atomic, so nothing half-written is left"
+    )
 
 
 def refused(uri: str, key: str, code: str) -> StoreUnavailable:
-    return StoreUnavailable(f"{uri}: the S3 server refused the request for {key} ({code}): check "
-                            "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for this endpoint")
+    return StoreUnavailable(
+        f"{uri}: the S3 server refused the request for {key} ({code}): check "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for this endpoint"
+    )
 
 
 # How pyarrow's S3 filesystem (the AWS C++ SDK) words the two failures a user can act on.

@@ -120,8 +120,13 @@ class ShardWriter:
         """Where this shard's writing went: compressing planes, Parquet encoding, SHA-256,
         writes to the file, and the commit (close, fsync, publish)."""
         sink = self._sink.hash_s + self._sink.write_s
-        return {"compress": self._compress_s, "parquet": max(0.0, self._table_s - sink),
-                "hash": self._sink.hash_s, "write": self._sink.write_s, "commit": self._commit_s}
+        return {
+            "compress": self._compress_s,
+            "parquet": max(0.0, self._table_s - sink),
+            "hash": self._sink.hash_s,
+            "write": self._sink.write_s,
+            "commit": self._commit_s,
+        }
 
     def write(self, metas: list[SampleMeta], lengths: list[int], planes: dict[str, np.ndarray]) -> None:
         """Append one row group: ``metas[i]`` describes the i-th of the samples packed end to end in

@@ -73,11 +73,12 @@ def zero_partitions(engine) -> ZeroPartitions:
     that reads its private attributes; ``test_zero_partitions_match_deepspeed`` fails when a
     DeepSpeed release renames them."""
     opt = engine.optimizer
-    if hasattr(opt, "single_partition_of_fp32_groups"):      # ZeRO 1/2
+    if hasattr(opt, "single_partition_of_fp32_groups"):  # ZeRO 1/2
         return ZeroPartitions(list(opt.single_partition_of_fp32_groups), None, opt.optimizer)
-    if hasattr(opt, "fp32_partitioned_groups_flat"):         # ZeRO 3
-        return ZeroPartitions(list(opt.fp32_partitioned_groups_flat), list(opt.fp16_partitioned_groups_flat),
-                              opt.optimizer)
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO 3
+        return ZeroPartitions(
+            list(opt.fp32_partitioned_groups_flat), list(opt.fp16_partitioned_groups_flat), opt.optimizer
+        )
     raise TypeError(f"unsupported optimizer wrapper {type(opt).__name__}; use a ZeRO stage of 1, 2 or 3")
 
 
@@ -157,8 +158,10 @@ class LRSchedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "lr_scheduler" not in state:
-            raise ValueError("no LR schedule state (written by an older Strata): train from scratch (resume: none) "
-                             "or with init_from its export")
+            raise ValueError(
+                "no LR schedule state (written by an older Strata): train from scratch (resume: none) "
+                "or with init_from its export"
+            )
         self.scheduler.load_state_dict(state["lr_scheduler"])
         # load_state_dict restores the schedule's position, not the rate the next step uses; that
         # rate is this run's schedule at that position (max_steps may have grown since the save).
@@ -213,8 +216,18 @@ class CheckpointManager:
     """Saves ``states`` every ``every`` steps (and at the end), keeps the last ``keep``, finds the
     latest and restores every part from it."""
 
-    def __init__(self, run_uri: str, s3, states: dict[str, Stateful], every: int, keep: int, rank: int, world: int,
-                 barrier: Callable[[], None], zero_stage: int):
+    def __init__(
+        self,
+        run_uri: str,
+        s3,
+        states: dict[str, Stateful],
+        every: int,
+        keep: int,
+        rank: int,
+        world: int,
+        barrier: Callable[[], None],
+        zero_stage: int,
+    ):
         self.fs, self.root = resolve(run_uri, s3)
         self.run_uri, self.s3, self.states = run_uri, s3, states
         self.every, self.keep, self.rank, self.world, self.barrier = every, keep, rank, world, barrier
@@ -248,8 +261,9 @@ class CheckpointManager:
             atomic_write_bytes(self.fs, join(ckpt, "state.json"), json.dumps(state).encode())
         self.barrier()
         if self.rank == 0:
-            atomic_write_bytes(self.fs, join(self.root, "checkpoints", LATEST),
-                               json.dumps({"checkpoint": name, "step": step}).encode())
+            atomic_write_bytes(
+                self.fs, join(self.root, "checkpoints", LATEST), json.dumps({"checkpoint": name, "step": step}).encode()
+            )
             self._prune(name)
         self.barrier()
         return name
@@ -257,7 +271,7 @@ class CheckpointManager:
     def _prune(self, newest: str) -> None:
         """Delete all but the last ``keep`` committed checkpoints (never the one just committed)."""
         names = sorted(d.rsplit("/", 1)[-1] for d in list_dirs(self.fs, join(self.root, "checkpoints")))
-        old = [d for d in names if d.startswith("step-") and d <= newest][:-self.keep]
+        old = [d for d in names if d.startswith("step-") and d <= newest][: -self.keep]
         for d in old:
             delete_dir(self.fs, join(self.root, "checkpoints", d))
         if old:
@@ -270,7 +284,8 @@ class CheckpointManager:
         if state["world_size"] != self.world or state["zero_stage"] != self.zero_stage:
             raise ValueError(
                 f"checkpoint {name} was written by {state['world_size']} workers with ZeRO-{state['zero_stage']}; "
-                f"this run has {self.world} with ZeRO-{self.zero_stage}: set num_workers/zero_stage to match")
+                f"this run has {self.world} with ZeRO-{self.zero_stage}: set num_workers/zero_stage to match"
+            )
         files: dict[Where, Callable[[], dict[str, Any]]] = {
             "state": lambda: state,
             "rank": lambda: st_load(read_bytes(self.fs, join(ckpt, f"rank-{self.rank}.safetensors"))),  # in memory

@@ -24,20 +24,30 @@ from pipeline.store.reader import DatasetReader, SampleRef
 from schemas.capture import CapturePoint
 
 
-def split_eval(refs: list[SampleRef], fraction: float, always: frozenset[str] = frozenset()
-               ) -> tuple[list[SampleRef], list[SampleRef]]:
+def split_eval(
+    refs: list[SampleRef], fraction: float, always: frozenset[str] = frozenset()
+) -> tuple[list[SampleRef], list[SampleRef]]:
     """Deterministic by sample id, so the held-out set never changes between runs. The
     ``always`` ids (the dataset's probe samples, whose prefixes are the acceptance prompts)
     are held out whatever the fraction."""
+
     def held_out(r: SampleRef) -> bool:
-        return (r.sample_id in always
-                or int(hashlib.sha256(r.sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction)
+        return (
+            r.sample_id in always
+            or int(hashlib.sha256(r.sample_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF < fraction
+        )
+
     train = [r for r in refs if not held_out(r)]
     return train, [r for r in refs if held_out(r)]
 
 
 def plan_epoch(
-    refs: list[SampleRef], batch_tokens: int, world: int, seed: int, epoch: int, window: int = 256,
+    refs: list[SampleRef],
+    batch_tokens: int,
+    world: int,
+    seed: int,
+    epoch: int,
+    window: int = 256,
 ) -> list[list[list[int]]]:
     """steps x workers x sample indices. Length bucketing: shuffle, sort within windows,
     pack each batch up to ``batch_tokens`` padded tokens, shuffle batches."""
@@ -62,8 +72,8 @@ def plan_epoch(
 
 @dataclass
 class Batch:
-    aux: torch.Tensor        # [B,T,A*H] float32
-    final: torch.Tensor      # [B,T,H] float32
+    aux: torch.Tensor  # [B,T,A*H] float32
+    final: torch.Tensor  # [B,T,H] float32
     input_ids: torch.Tensor  # [B,T] long (padding 0)
     loss_mask: torch.Tensor  # [B,T] bool (padding False)
 
@@ -81,8 +91,10 @@ def load_batch(reader: DatasetReader, refs: list[SampleRef], aux: list[str], fin
     B = len(refs)
     h = reader.provenance(final).hidden_size
     out = {
-        "aux": np.zeros((B, T, len(aux) * h), np.float32), "final": np.zeros((B, T, h), np.float32),
-        "input_ids": np.zeros((B, T), np.int64), "loss_mask": np.zeros((B, T), np.bool_),
+        "aux": np.zeros((B, T, len(aux) * h), np.float32),
+        "final": np.zeros((B, T, h), np.float32),
+        "input_ids": np.zeros((B, T), np.int64),
+        "loss_mask": np.zeros((B, T), np.bool_),
     }
     for (shard, rg), js in by_group.items():
         table = reader.read_row_group(shard, rg)
@@ -102,9 +114,20 @@ def to_batch(d: dict[str, np.ndarray]) -> Batch:
 class BatchStream:
     """This worker's batches from ``start_step`` on; records time spent waiting for data."""
 
-    def __init__(self, dataset_uri: str, s3, refs: list[SampleRef], plan: list[list[list[int]]], rank: int,
-                 start_step: int, aux: list[CapturePoint], final: CapturePoint, use_ray: bool,
-                 cpus_per_task: float = 0.25, stall_timeout_s: float | None = None):
+    def __init__(
+        self,
+        dataset_uri: str,
+        s3,
+        refs: list[SampleRef],
+        plan: list[list[list[int]]],
+        rank: int,
+        start_step: int,
+        aux: list[CapturePoint],
+        final: CapturePoint,
+        use_ray: bool,
+        cpus_per_task: float = 0.25,
+        stall_timeout_s: float | None = None,
+    ):
         self.uri, self.s3, self.refs, self.rank = dataset_uri, s3, refs, rank
         self.items = [(s, plan[s][rank]) for s in range(start_step, len(plan))]
         self.aux, self.final = [str(p) for p in aux], str(final)
@@ -158,9 +181,15 @@ class BatchStream:
         ctx.execution_options.preserve_order = True
         ctx.enable_progress_bars = False  # the training loop reports progress
         ctx.print_on_execution_start = False
-        ds = ray.data.from_items([{"step": s, "idx": list(i)} for s, i in self.items], override_num_blocks=len(self.items))
+        ds = ray.data.from_items(
+            [{"step": s, "idx": list(i)} for s, i in self.items], override_num_blocks=len(self.items)
+        )
         ds = ds.map(decode, num_cpus=self.cpus)
-        rows = stall_guard(ds.iter_rows(), self.stall_timeout_s, f"rank {self.rank}'s Ray Data decode tasks",
-                           "free or add CPUs for them, use data_loading: worker, or raise stall_timeout_s")
+        rows = stall_guard(
+            ds.iter_rows(),
+            self.stall_timeout_s,
+            f"rank {self.rank}'s Ray Data decode tasks",
+            "free or add CPUs for them, use data_loading: worker, or raise stall_timeout_s",
+        )
         for row in rows:
             yield int(row["step"]), to_batch(row)

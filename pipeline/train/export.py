@@ -32,9 +32,14 @@ def export_family(cfg: TrainConfig, engine: str, target_cfg: dict, override: str
     return conventions.engine_family(engine, target_cfg, forced)
 
 
-
-def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri: str | None = None,
-               engine_family: str | None = None, dtype: str | None = None) -> list[dict]:
+def export_run(
+    run_uri: str,
+    s3=None,
+    engines: list[str] | None = None,
+    dest_uri: str | None = None,
+    engine_family: str | None = None,
+    dtype: str | None = None,
+) -> list[dict]:
     """Export the latest checkpoint of a training run for each serving engine.
 
     Writes ``<dest>/<engine>/`` (default dest: ``<run>/export``); the aux ids come from the
@@ -52,7 +57,9 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
     weights = st_load(read_bytes(fs, join(root, "checkpoints", name, "model.safetensors")))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) != {"embed_tokens.weight"}:
-        raise ValueError(f"checkpoint {name} does not match the run's draft: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"checkpoint {name} does not match the run's draft: missing {missing}, unexpected {unexpected}"
+        )
     model.embed_tokens.weight.data.copy_(load_embedding(cfg.target.path))
     model = model.float()
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
@@ -71,17 +78,32 @@ def export_run(run_uri: str, s3=None, engines: list[str] | None = None, dest_uri
             family = export_family(cfg, engine, target_cfg, engine_family)
             dest = os.path.join(tmp, engine)
             m = export_draft(
-                model, dest, engine, [CapturePoint.parse(p) for p in run["aux"]], identity, family=family,
-                dtype=dtype or cfg.export.dtype, dataset_id=run["extra"].get("dataset_id"),
+                model,
+                dest,
+                engine,
+                [CapturePoint.parse(p) for p in run["aux"]],
+                identity,
+                family=family,
+                dtype=dtype or cfg.export.dtype,
+                dataset_id=run["extra"].get("dataset_id"),
                 dataset_manifest_sha256=run["extra"].get("dataset_manifest_sha256"),
                 release=cfg.export.engine_versions.get(engine, conventions.NEWEST),
-                training={**{k: v for k, v in run["cfg"].items() if k != "s3"}, "checkpoint": name,
-                          "data_source": ds_manifest.source.model_dump(mode="json")}, metrics=metrics,
+                training={
+                    **{k: v for k, v in run["cfg"].items() if k != "s3"},
+                    "checkpoint": name,
+                    "data_source": ds_manifest.source.model_dump(mode="json"),
+                },
+                metrics=metrics,
                 fingerprints=fingerprints,
             )
             for fname in os.listdir(dest):
                 publish_local_file(os.path.join(dest, fname), dfs, join(droot, engine, fname))
-            log.info("exported %s draft (aux ids %s, %s) to %s", engine, m.aux_layer_ids, m.aux_layer_ids_convention,
-                     join(droot, engine))
+            log.info(
+                "exported %s draft (aux ids %s, %s) to %s",
+                engine,
+                m.aux_layer_ids,
+                m.aux_layer_ids_convention,
+                join(droot, engine),
+            )
             out.append(m.model_dump(mode="json"))
     return out

@@ -50,16 +50,23 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
     prompts = fp.prompts(h.prompts)
     eng = HFEngine(cfg.target.path, [], "bfloat16" if cfg.use_gpu else "float32", "auto")
     try:
-        res = eng.serve_draft(draft_dir, prompts, h.max_new_tokens, h.speculative_tokens,
-                              feed_points=[CapturePoint.parse(p) for p in aux])
+        res = eng.serve_draft(
+            draft_dir, prompts, h.max_new_tokens, h.speculative_tokens, feed_points=[CapturePoint.parse(p) for p in aux]
+        )
         lossless = res.outputs == eng.greedy(prompts, h.max_new_tokens)
     finally:
         eng.close()
     acc = res.acceptance
-    return {"kind": "heldout_acceptance", **acc, "prompt_sample_ids": fp.sample_ids[:len(prompts)],
-            "max_new_tokens": h.max_new_tokens, "lossless": lossless,
-            "predicted_accepted_per_step": simulated_acceptance_length(eval_acc[: h.speculative_tokens])
-            if eval_acc else None}
+    return {
+        "kind": "heldout_acceptance",
+        **acc,
+        "prompt_sample_ids": fp.sample_ids[: len(prompts)],
+        "max_new_tokens": h.max_new_tokens,
+        "lossless": lossless,
+        "predicted_accepted_per_step": simulated_acceptance_length(eval_acc[: h.speculative_tokens])
+        if eval_acc
+        else None,
+    }
 
 
 def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool) -> dict:
@@ -78,8 +85,12 @@ def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray:
         result = measure(cfg, aux, eval_acc)
     if "skipped" not in result:
         result["step"] = metrics.get("steps")
-        log.info("held-out acceptance: %s; training accuracy predicts %.2f accepted per step, measured %.2f",
-                 line(result), result["predicted_accepted_per_step"] or float("nan"), result["accepted_per_step"])
+        log.info(
+            "held-out acceptance: %s; training accuracy predicts %.2f accepted per step, measured %.2f",
+            line(result),
+            result["predicted_accepted_per_step"] or float("nan"),
+            result["accepted_per_step"],
+        )
     fs, root = resolve(cfg.output, cfg.s3)
     lines = read_bytes(fs, join(root, METRICS_FILE)).decode() if exists(fs, join(root, METRICS_FILE)) else ""
     lines = "".join(ln + "\n" for ln in lines.splitlines() if json.loads(ln).get("kind") != "heldout_acceptance")

@@ -64,7 +64,9 @@ def choose_points(reader: DatasetReader, cfg: TrainConfig) -> tuple[list[Capture
         aux = list(cfg.aux)
         missing = [str(p) for p in aux if p not in have]
         if missing:
-            raise ProvenanceMismatch(f"dataset {reader.uri} lacks the configured aux points {missing}; it holds {[str(p) for p in have]}")
+            raise ProvenanceMismatch(
+                f"dataset {reader.uri} lacks the configured aux points {missing}; it holds {[str(p) for p in have]}"
+            )
     else:
         aux = [p for p in have if p.kind != "final" and conventions.boundary(p, n) != n]
     if not aux:
@@ -81,11 +83,19 @@ def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg
         try:
             ids = serving_ids(aux, n, engine, family, release)
         except ExportError as e:
-            raise ProvenanceMismatch(f"refusing to train a draft that export.engines cannot serve: {e}. Change the "
-                                     "aux points or drop that engine from export.engines") from None
-        log.info("servable by %s %s (%s ids %s); %d-slot drafts load in %s", engine,
-                 release if release != conventions.NEWEST else "(newest known)", family, ids, len(aux),
-                 ", ".join(releases.servable_by(len(aux))))
+            raise ProvenanceMismatch(
+                f"refusing to train a draft that export.engines cannot serve: {e}. Change the "
+                "aux points or drop that engine from export.engines"
+            ) from None
+        log.info(
+            "servable by %s %s (%s ids %s); %d-slot drafts load in %s",
+            engine,
+            release if release != conventions.NEWEST else "(newest known)",
+            family,
+            ids,
+            len(aux),
+            ", ".join(releases.servable_by(len(aux))),
+        )
 
 
 def prepare(cfg: TrainConfig) -> RunPlan:
@@ -113,15 +123,32 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
     log.info(
         "draft: %d aux slots %s, final %s%s; vocab %d of %d; %d train / %d eval samples; %s",
-        len(aux), [str(p) for p in aux], final, " (+target norm)" if needs_norm else "", ids.numel(),
-        identity.vocab_size, len(train), len(held), f"resuming from {resume}" if resume else "from scratch",
+        len(aux),
+        [str(p) for p in aux],
+        final,
+        " (+target norm)" if needs_norm else "",
+        ids.numel(),
+        identity.vocab_size,
+        len(train),
+        len(held),
+        f"resuming from {resume}" if resume else "from scratch",
     )
     plan = RunPlan(
-        cfg=cfg.model_dump(mode="json"), draft=draft.to_dict(), aux=[str(p) for p in aux], final=str(final),
-        final_needs_norm=needs_norm, train_refs=[dataclasses.asdict(r) for r in train],
-        eval_refs=[dataclasses.asdict(r) for r in held], resume_from=resume,
-        extra={"dataset_id": reader.manifest.dataset_id, "target_key": identity.key,
-               "dataset_manifest_sha256": hashlib.sha256(read_bytes(reader.fs, join(reader.root, MANIFEST_NAME))).hexdigest()},
+        cfg=cfg.model_dump(mode="json"),
+        draft=draft.to_dict(),
+        aux=[str(p) for p in aux],
+        final=str(final),
+        final_needs_norm=needs_norm,
+        train_refs=[dataclasses.asdict(r) for r in train],
+        eval_refs=[dataclasses.asdict(r) for r in held],
+        resume_from=resume,
+        extra={
+            "dataset_id": reader.manifest.dataset_id,
+            "target_key": identity.key,
+            "dataset_manifest_sha256": hashlib.sha256(
+                read_bytes(reader.fs, join(reader.root, MANIFEST_NAME))
+            ).hexdigest(),
+        },
     )
     run = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("train_refs", "eval_refs")}
     atomic_write_bytes(fs, join(root, RUN_FILE), json.dumps(run, indent=1).encode())
@@ -158,8 +185,10 @@ def _token_masks(reader: DatasetReader):
         with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
             t = pq.read_table(f, columns=["input_ids", "loss_mask"])
         for ids, mask in zip(t["input_ids"], t["loss_mask"], strict=True):
-            yield (torch.from_numpy(ids.values.to_numpy().astype("int64")),
-                   torch.from_numpy(mask.values.to_numpy().astype(bool)))
+            yield (
+                torch.from_numpy(ids.values.to_numpy().astype("int64")),
+                torch.from_numpy(mask.values.to_numpy().astype(bool)),
+            )
 
 
 def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
@@ -192,8 +221,13 @@ def init_single_process() -> None:
     port to pick, so none another process can take first) and the variables DeepSpeed reads."""
     import torch.distributed as dist
 
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "0"}.items():
+    for k, v in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "0",
+    }.items():
         os.environ.setdefault(k, v)
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -223,16 +257,18 @@ def check_resources(cfg: TrainConfig) -> None:
     """The workers (and with ray_data loading, at least one decode task) must fit the cluster."""
     worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1.0} if cfg.use_gpu else {})}
     decode = cfg.data_loading == "ray_data"
-    require_resources(f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g}"
-                      + (f" + {DECODE_TASK_CPUS} CPU for the data decode tasks" if decode else ""),
-                      [worker] * cfg.num_workers + ([{"CPU": DECODE_TASK_CPUS}] if decode else []),
-                      "lower cpus_per_worker or num_workers", cfg.resource_wait_s)
+    require_resources(
+        f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g}"
+        + (f" + {DECODE_TASK_CPUS} CPU for the data decode tasks" if decode else ""),
+        [worker] * cfg.num_workers + ([{"CPU": DECODE_TASK_CPUS}] if decode else []),
+        "lower cpus_per_worker or num_workers",
+        cfg.resource_wait_s,
+    )
 
 
 def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
     from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
 
     init_ray(cfg.ray_address)
     storage = tempfile.mkdtemp(prefix="strata-raytrain-")  # Ray Train's run state; Strata's is in cfg.output
@@ -246,21 +282,26 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
         _ray_worker,
         train_loop_config={"plan_json": plan_json, "cpus_per_worker": cfg.cpus_per_worker, "use_gpu": cfg.use_gpu},
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
-                                     resources_per_worker={"CPU": cfg.cpus_per_worker}),
-        run_config=RunConfig(storage_path=storage, name="strata-train",
-                             failure_config=FailureConfig(max_failures=0,
-                                                          controller_failure_limit=0 if cfg.stall_timeout_s else -1)),
+        scaling_config=ScalingConfig(
+            num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}
+        ),
+        run_config=RunConfig(
+            storage_path=storage,
+            name="strata-train",
+            failure_config=FailureConfig(max_failures=0, controller_failure_limit=0 if cfg.stall_timeout_s else -1),
+        ),
     )
     try:
         trainer.fit()
     except ControllerError as e:
         if type(e.controller_failure).__name__ != "WorkerGroupStartupTimeoutError":
             raise
-        raise stalled(f"train: the worker group ({cfg.num_workers} x {cfg.cpus_per_worker:g} CPU"
-                      f"{' + 1 GPU' if cfg.use_gpu else ''}) was not placed", cfg.stall_timeout_s,
-                      "another job may hold the CPUs; free them, lower cpus_per_worker or num_workers, or raise "
-                      "stall_timeout_s") from None
+        raise stalled(
+            f"train: the worker group ({cfg.num_workers} x {cfg.cpus_per_worker:g} CPU"
+            f"{' + 1 GPU' if cfg.use_gpu else ''}) was not placed",
+            cfg.stall_timeout_s,
+            "another job may hold the CPUs; free them, lower cpus_per_worker or num_workers, or raise stall_timeout_s",
+        ) from None
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         if env_before is None:

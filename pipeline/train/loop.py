@@ -64,10 +64,24 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     barrier = dist.barrier if dist.is_initialized() else (lambda: None)
     window = MetricsWindow(cfg.ttt_steps, trainer.device)
     progress = TrainState()
-    ckpt = CheckpointManager(cfg.output, cfg.s3, {
-        "model": ModelWeights(trainer.engine), "optimizer": OptimizerState(trainer.engine),
-        "lr_schedule": LRSchedule(trainer.scheduler), "rng": RNGState(), "train": progress, "metrics": window,
-    }, cfg.checkpoint.every, cfg.checkpoint.keep, rank, world, barrier, trainer.engine.zero_optimization_stage())
+    ckpt = CheckpointManager(
+        cfg.output,
+        cfg.s3,
+        {
+            "model": ModelWeights(trainer.engine),
+            "optimizer": OptimizerState(trainer.engine),
+            "lr_schedule": LRSchedule(trainer.scheduler),
+            "rng": RNGState(),
+            "train": progress,
+            "metrics": window,
+        },
+        cfg.checkpoint.every,
+        cfg.checkpoint.keep,
+        rank,
+        world,
+        barrier,
+        trainer.engine.zero_optimization_stage(),
+    )
     if plan.resume_from:
         ckpt.load(plan.resume_from)
         if rank == 0:
@@ -79,9 +93,18 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
     last: dict = {}
     while step < total:
         epoch = bisect.bisect_right(epoch_start, step) - 1
-        stream = BatchStream(cfg.dataset, cfg.s3, refs, plans[epoch], rank, step - epoch_start[epoch],
-                             trainer.aux, trainer.final, use_ray=plan.use_ray_data,
-                             stall_timeout_s=cfg.stall_timeout_s)
+        stream = BatchStream(
+            cfg.dataset,
+            cfg.s3,
+            refs,
+            plans[epoch],
+            rank,
+            step - epoch_start[epoch],
+            trainer.aux,
+            trainer.final,
+            use_ray=plan.use_ray_data,
+            stall_timeout_s=cfg.stall_timeout_s,
+        )
         for _, batch in stream:
             t0 = time.perf_counter()
             out = trainer.step(batch)
@@ -92,8 +115,11 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
                 last = window.close(stream.wait_s, step=step, epoch=epoch, lr=trainer.lr)
                 if rank == 0:
                     history.append(last)
-                    bar.set_postfix(loss=f"{last['loss']:.3f}", acc0=f"{last['acc_per_pos'][0]:.2f}",
-                                    tau=f"{last['sim_accept_len']:.2f}")
+                    bar.set_postfix(
+                        loss=f"{last['loss']:.3f}",
+                        acc0=f"{last['acc_per_pos'][0]:.2f}",
+                        tau=f"{last['sim_accept_len']:.2f}",
+                    )
                 if report:
                     report(last)
             if ckpt.due(step, total):
@@ -102,7 +128,7 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
                 if rank == 0:
                     history.flush()
             if step >= total:  # max_steps; otherwise the epoch's stream runs out on its own, so Ray
-                break          # Data's executor finishes before the next epoch's starts
+                break  # Data's executor finishes before the next epoch's starts
         window.wait_at_start -= stream.wait_s  # the next epoch's stream counts its waits from zero
     bar.close()
     final_metrics = {"train": last, "eval": trainer.evaluate(rank, world), "steps": step}

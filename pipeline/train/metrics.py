@@ -39,8 +39,11 @@ class StepSums:
         loss, correct, counted, (n, tokens) = t[:s], t[s : 2 * s], t[2 * s : 3 * s], t[3 * s :].tolist()
         acc = (correct / counted.clamp(min=1)).tolist()
         return {
-            "loss": float(loss.sum() / max(n, 1)), "loss_per_pos": (loss / max(n, 1)).tolist(),
-            "acc_per_pos": acc, "sim_accept_len": simulated_acceptance_length(acc), "tokens": int(tokens),
+            "loss": float(loss.sum() / max(n, 1)),
+            "loss_per_pos": (loss / max(n, 1)).tolist(),
+            "acc_per_pos": acc,
+            "sim_accept_len": simulated_acceptance_length(acc),
+            "tokens": int(tokens),
         }
 
 
@@ -67,8 +70,10 @@ class MetricsWindow:
     where = "rank"
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"metrics.sums": self.sums.sums.cpu(),
-                "metrics.counts": torch.tensor([self.sums.n, self.sums.tokens], dtype=torch.int64)}
+        return {
+            "metrics.sums": self.sums.sums.cpu(),
+            "metrics.counts": torch.tensor([self.sums.n, self.sums.tokens], dtype=torch.int64),
+        }
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         if "metrics.sums" not in state:  # a checkpoint from before metrics were a part: an empty window
@@ -80,8 +85,13 @@ class MetricsWindow:
         """The window's record (``fields`` first), then a new window; all ranks must call this."""
         wall = max(time.perf_counter() - self.t0, 1e-9)
         r = self.sums.reduce()
-        rec = {**fields, **r, "tokens_per_s": r["tokens"] / wall,
-               "data_wait_fraction": (data_wait_s - self.wait_at_start) / wall, "compute_fraction": self.compute_s / wall}
+        rec = {
+            **fields,
+            **r,
+            "tokens_per_s": r["tokens"] / wall,
+            "data_wait_fraction": (data_wait_s - self.wait_at_start) / wall,
+            "compute_fraction": self.compute_s / wall,
+        }
         self._start(data_wait_s)
         return rec
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 @dataclass
 class RunPlan:
     cfg: dict
-    draft: dict                    # DraftConfig fields
-    aux: list[str]                 # aux capture points, slot order
-    final: str                     # final capture point in the dataset
-    final_needs_norm: bool         # final is pre-norm: apply the target's norm
+    draft: dict  # DraftConfig fields
+    aux: list[str]  # aux capture points, slot order
+    final: str  # final capture point in the dataset
+    final_needs_norm: bool  # final is pre-norm: apply the target's norm
     train_refs: list[dict]
     eval_refs: list[dict]
     resume_from: str | None = None

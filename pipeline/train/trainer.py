@@ -69,12 +69,16 @@ def ds_config(cfg: TrainConfig) -> dict:
         extra = json.loads(Path(cfg.deepspeed.config_file).read_text())
         clash = sorted(k for k in extra if k in PLAN_KEYS)
         if clash:
-            raise ValueError(f"{cfg.deepspeed.config_file}: {clash} are set by Strata's training plan "
-                             "(batch_tokens, optim.grad_clip); remove them from the DeepSpeed file")
+            raise ValueError(
+                f"{cfg.deepspeed.config_file}: {clash} are set by Strata's training plan "
+                "(batch_tokens, optim.grad_clip); remove them from the DeepSpeed file"
+            )
         stage = extra.get("zero_optimization", {}).get("stage", cfg.deepspeed.zero_stage)
         if stage != cfg.deepspeed.zero_stage:
-            raise ValueError(f"{cfg.deepspeed.config_file}: zero_optimization.stage {stage} disagrees with "
-                             f"deepspeed.zero_stage {cfg.deepspeed.zero_stage} (checkpoints record the stage)")
+            raise ValueError(
+                f"{cfg.deepspeed.config_file}: zero_optimization.stage {stage} disagrees with "
+                f"deepspeed.zero_stage {cfg.deepspeed.zero_stage} (checkpoints record the stage)"
+            )
         for k, v in extra.items():
             out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
@@ -90,11 +94,12 @@ def build_model(plan: RunPlan, cfg: TrainConfig, device: torch.device) -> Eagle3
     model.d2t.copy_(v["d2t"])
     model.t2d.copy_(v["t2d"])
     if cfg.init_from:  # warm start (checked against this run in job.prepare)
-
         start = load_file(os.path.join(cfg.init_from, WEIGHTS))
         missing, unexpected = model.load_state_dict(start, strict=False)
         if unexpected or not set(missing) <= {"embed_tokens.weight", "d2t"}:
-            raise ValueError(f"init_from {cfg.init_from}: weights do not fit: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"init_from {cfg.init_from}: weights do not fit: missing {missing}, unexpected {unexpected}"
+            )
     return model.to(device)
 
 
@@ -108,12 +113,17 @@ class Trainer:
         self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
         model = build_model(plan, cfg, self.device)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
+        optimizer = torch.optim.AdamW(
+            params, lr=cfg.optim.lr, betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay
+        )
         o = cfg.optim
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg),
+            model=model,
+            optimizer=optimizer,
+            config=ds_config(cfg),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
-                opt, lambda s: lr_lambda(s, o.warmup_steps, total_steps, o.min_lr_ratio)),
+                opt, lambda s: lr_lambda(s, o.warmup_steps, total_steps, o.min_lr_ratio)
+            ),
         )
         self.dtype = torch_dtype(cfg.deepspeed.dtype)
         self.head = TargetHead(cfg.target.path, needs_norm=plan.final_needs_norm).to(self.device)
@@ -128,7 +138,9 @@ class Trainer:
     def forward(self, batch: Batch):
         b = Batch(*(t.to(self.device) for t in (batch.aux, batch.final, batch.input_ids, batch.loss_mask)))
         target = self.head.targets(b.final, b.loss_mask, self.draft_ids, soft_target=self.cfg.soft_target)
-        return self.engine(b.aux.to(self.dtype), b.input_ids, target, steps=self.cfg.ttt_steps, decay=self.cfg.loss_decay)
+        return self.engine(
+            b.aux.to(self.dtype), b.input_ids, target, steps=self.cfg.ttt_steps, decay=self.cfg.loss_decay
+        )
 
     def step(self, batch: Batch):
         """Forward, backward, optimizer and schedule step; returns the draft's output."""

@@ -59,7 +59,10 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
     k = min(measured["k"], heldout["k"])
     h_pos, m_pos = (heldout.get("acceptance_per_pos") or [])[:k], (measured.get("acceptance_per_pos") or [])[:k]
     if (not h_pos and heldout["k"] != k) or (not m_pos and measured["k"] != k):
-        return {"gated": False, "why": f"k differs ({measured['k']} vs {heldout['k']}) and per-position acceptance is missing"}
+        return {
+            "gated": False,
+            "why": f"k differs ({measured['k']} vs {heldout['k']}) and per-position acceptance is missing",
+        }
     s_h, s_m = heldout["verify_steps"], max(measured["verify_steps"], 1)
     h_mean = sum(h_pos) if h_pos else heldout["accepted_per_step"]
     m_mean = sum(m_pos) if m_pos else measured["accepted_per_step"]
@@ -69,15 +72,24 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
     if same_k and measured.get("se") is not None and heldout.get("se") is not None:
         # prompts as the independent units (pipeline.acceptance); never below the per-step figure
         se_h = max(heldout["se"], math.sqrt(var_h / s_h))
-        se = math.sqrt(max(measured["se"] ** 2, var_m / s_m) + se_h ** 2)
-        var_h = se_h ** 2 * s_h
+        se = math.sqrt(max(measured["se"] ** 2, var_m / s_m) + se_h**2)
+        var_h = se_h**2 * s_h
     else:
         se = math.sqrt(var_m / s_m + var_h / s_h)
     threshold = tol.acceptance_vs_heldout * h_mean - tol.acceptance_z * se
     gated = h_mean - tol.acceptance_z * math.sqrt(var_h / s_h) > 0 and threshold > 0
-    return {"k": k, "measured": m_mean, "heldout": h_mean, "heldout_verify_steps": s_h, "verify_steps": s_m,
-            "se": se, "threshold": threshold, "gated": gated, "low": gated and m_mean < threshold,
-            **({} if gated else {"why": "the held-out acceptance is within its noise of zero: reported, not gated"})}
+    return {
+        "k": k,
+        "measured": m_mean,
+        "heldout": h_mean,
+        "heldout_verify_steps": s_h,
+        "verify_steps": s_m,
+        "se": se,
+        "threshold": threshold,
+        "gated": gated,
+        "low": gated and m_mean < threshold,
+        **({} if gated else {"why": "the held-out acceptance is within its noise of zero: reported, not gated"}),
+    }
 
 
 def reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
@@ -86,21 +98,26 @@ def reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
     if "mean_acceptance_length" not in accept:
         return out
     if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
-        out.append(f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor "
-                   f"{cfg.tolerances.acceptance_floor}")
+        out.append(
+            f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}"
+        )
     vs = accept["vs_heldout"] = versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
     if vs.get("low"):
-        out.append(f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
-                   f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
-                   f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
-                   "serve the draft as it was trained")
+        out.append(
+            f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
+            f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
+            f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
+            "serve the draft as it was trained"
+        )
     if not accept["lossless"] and cfg.serving.dtype == "float32":
         out.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
     elif not accept["lossless"]:
         # Verifying k+1 tokens in one forward rounds differently from one token at a time
         # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
-        accept["lossless_note"] = (f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
-                                   "16-bit verification can flip near-ties; gated at float32 only")
+        accept["lossless_note"] = (
+            f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
+            "16-bit verification can flip near-ties; gated at float32 only"
+        )
     return out
 
 
@@ -113,8 +130,13 @@ def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[Cap
         eng.close()
 
 
-def serve(engine: TargetEngine, cfg: ValidateConfig, draft_dir: Path, ps: list[list[int]],
-          feed_points: list[CapturePoint] | None = None) -> ServeResult:
+def serve(
+    engine: TargetEngine,
+    cfg: ValidateConfig,
+    draft_dir: Path,
+    ps: list[list[int]],
+    feed_points: list[CapturePoint] | None = None,
+) -> ServeResult:
     """Serve the draft through ``engine``; acceptance gains ``lossless``: the output equals the
     same engine's target-only greedy decoding."""
     res = engine.serve_draft(draft_dir, ps, cfg.max_new_tokens, cfg.speculative_tokens, feed_points=feed_points)
@@ -125,7 +147,8 @@ def serve(engine: TargetEngine, cfg: ValidateConfig, draft_dir: Path, ps: list[l
 def served_draft_dir(art: Path, draft_config: Path) -> tuple[Path, bool]:
     """A directory the engine can load: the artifact, or a temp copy carrying the served config."""
     if draft_config.resolve() == (art / "config.json").resolve() or (
-            json.loads(draft_config.read_text()) == json.loads((art / "config.json").read_text())):
+        json.loads(draft_config.read_text()) == json.loads((art / "config.json").read_text())
+    ):
         return art, False
     tmp = Path(tempfile.mkdtemp(prefix="strata-served-draft-"))
     return draft_dir_with(art, json.loads(draft_config.read_text()), tmp), True
@@ -141,8 +164,9 @@ def draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
     return dest
 
 
-def serve_as_configured(engine: TargetEngine, cfg: ValidateConfig, art: Path, draft_config: Path,
-                        ps: list[list[int]]) -> ServeResult:
+def serve_as_configured(
+    engine: TargetEngine, cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]
+) -> ServeResult:
     """The serving engine with the draft directory as it will be deployed (the served config.json)."""
     draft_dir, temporary = served_draft_dir(art, draft_config)
     try:

@@ -26,21 +26,27 @@ from schemas.capture import CapturePoint
 
 log = logging.getLogger(__name__)
 
-NOTE = ("measured for this report only: the configuration is blocked, nothing was promoted, and every draft "
-        "loaded for the measurement was unloaded")
+NOTE = (
+    "measured for this report only: the configuration is blocked, nothing was promoted, and every draft "
+    "loaded for the measurement was unloaded"
+)
 
 
 def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, stop_ids: frozenset[int]) -> dict:
     acc = t.acceptance or {}
     se = t.decode_tokens_per_s_se
-    row = {"configuration": name, "draft_config": config, "new_tokens": t.new_tokens,
-           "ended_turn": sum(1 for o in t.outputs if o and o[-1] in stop_ids),
-           "decode_tokens_per_s": round(t.decode_tokens_per_s, 2),
-           "decode_tokens_per_s_se": round(se, 2) if se is not None else None,
-           "mean_acceptance_length": round(acc["mean_acceptance_length"], 3) if acc else None,
-           "mean_acceptance_length_se": round(acc["se"], 3) if acc and acc.get("se") is not None else None,
-           "verify_steps": acc.get("verify_steps") if acc else None,
-           "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None}
+    row = {
+        "configuration": name,
+        "draft_config": config,
+        "new_tokens": t.new_tokens,
+        "ended_turn": sum(1 for o in t.outputs if o and o[-1] in stop_ids),
+        "decode_tokens_per_s": round(t.decode_tokens_per_s, 2),
+        "decode_tokens_per_s_se": round(se, 2) if se is not None else None,
+        "mean_acceptance_length": round(acc["mean_acceptance_length"], 3) if acc else None,
+        "mean_acceptance_length_se": round(acc["se"], 3) if acc and acc.get("se") is not None else None,
+        "verify_steps": acc.get("verify_steps") if acc else None,
+        "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None,
+    }
     # What one engine step costs after the prefill (a verify step with a draft, one token without):
     # speed-up = mean acceptance length x plain step / verify step.
     steps = acc.get("verify_steps") if acc else t.decode_tokens
@@ -51,18 +57,41 @@ def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, sto
     return row
 
 
-def _draft_row(name: str, config: str, engine: TargetEngine, draft_dir: Path, prompts, max_new_tokens: int, k: int,
-               base: DecodeTiming, stop_ids: frozenset[int]) -> dict:
+def _draft_row(
+    name: str,
+    config: str,
+    engine: TargetEngine,
+    draft_dir: Path,
+    prompts,
+    max_new_tokens: int,
+    k: int,
+    base: DecodeTiming,
+    stop_ids: frozenset[int],
+) -> dict:
     try:
         return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base, stop_ids)
     except EngineError as e:  # the engine refusing this configuration is the row's finding (a bug is not)
-        return {"configuration": name, "draft_config": config,
-                "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}"}
+        return {
+            "configuration": name,
+            "draft_config": config,
+            "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}",
+        }
 
 
-def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: list[CapturePoint], n: int, family: str,
-               release: str, runner: str | None, prompts: list[list[int]], max_new_tokens: int, k: int,
-               stop_ids: frozenset[int]) -> dict:
+def cost_table(
+    engine: TargetEngine,
+    art: Path,
+    draft_config: Path,
+    trained: list[CapturePoint],
+    n: int,
+    family: str,
+    release: str,
+    runner: str | None,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    k: int,
+    stop_ids: frozenset[int],
+) -> dict:
     """Rows for: no speculation, the draft as configured, the draft with the correct ids;
     ``ended_turn`` counts the generations that stopped at the target's end of turn (``stop_ids``)."""
     served = json.loads(draft_config.read_text())
@@ -71,8 +100,14 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: lis
         fixed, why = conventions.draft_config_feeding(served, trained, engine.name, n, family, release, runner), ""
     except conventions.ConventionError as e:
         fixed, why = None, str(e)
-    log.info("cost of the blocked configuration: timing %d prompts x %d new tokens through %s %s "
-             "(no speculation / as written / correct ids)", len(prompts), max_new_tokens, engine.name, engine.version)
+    log.info(
+        "cost of the blocked configuration: timing %d prompts x %d new tokens through %s %s "
+        "(no speculation / as written / correct ids)",
+        len(prompts),
+        max_new_tokens,
+        engine.name,
+        engine.version,
+    )
     tmp = Path(tempfile.mkdtemp(prefix="strata-cost-"))
     loaded: list[Path] = []  # every draft directory served for this table: unloaded before returning
     try:
@@ -86,16 +121,38 @@ def cost_table(engine: TargetEngine, art: Path, draft_config: Path, trained: lis
                 fixed_dir = draft_dir_with(art, fixed, tmp / "fixed")
                 loaded.append(fixed_dir)
             ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
-            correct = _draft_row("draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts,
-                                 max_new_tokens, k, base, stop_ids)
-        written_dir = art if draft_config.resolve() == (art / "config.json").resolve() else \
-            draft_dir_with(art, served, tmp / "as-written")
+            correct = _draft_row(
+                "draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts, max_new_tokens, k, base, stop_ids
+            )
+        written_dir = (
+            art
+            if draft_config.resolve() == (art / "config.json").resolve()
+            else draft_dir_with(art, served, tmp / "as-written")
+        )
         loaded.append(written_dir)
-        rows += [_draft_row("draft, config as written", f"ids {ids_written}", engine, written_dir, prompts,
-                            max_new_tokens, k, base, stop_ids), correct]
-        return {"rows": rows, "prompts": len(prompts), "max_new_tokens": max_new_tokens, "k": k,
-                "timing": "single stream, one prompt at a time, prefill subtracted, stopped at the end of the turn",
-                "measured_by": f"{engine.name} {engine.version}", "note": NOTE}
+        rows += [
+            _draft_row(
+                "draft, config as written",
+                f"ids {ids_written}",
+                engine,
+                written_dir,
+                prompts,
+                max_new_tokens,
+                k,
+                base,
+                stop_ids,
+            ),
+            correct,
+        ]
+        return {
+            "rows": rows,
+            "prompts": len(prompts),
+            "max_new_tokens": max_new_tokens,
+            "k": k,
+            "timing": "single stream, one prompt at a time, prefill subtracted, stopped at the end of the turn",
+            "measured_by": f"{engine.name} {engine.version}",
+            "note": NOTE,
+        }
     except EngineUnavailable as e:
         return {"skipped": str(e)}
     finally:
@@ -108,16 +165,16 @@ def table_lines(cost: dict) -> list[str]:
     """The cost table as aligned text lines (report and demo); +- is one standard error over prompts."""
     if "rows" not in cost:
         return [f"cost not measured: {cost.get('skipped', 'no table')}"]
-    out = [f"{'configuration':<26} {'draft config':<16} {'accept len':>12} {'per position':<16} "
-           f"{'decode tok/s':>18}"]
+    out = [f"{'configuration':<26} {'draft config':<16} {'accept len':>12} {'per position':<16} {'decode tok/s':>18}"]
     for r in cost["rows"]:
         if "skipped" in r:
             out.append(f"{r['configuration']:<26} {r['skipped']}")
             continue
         acc = "-"
         if r["mean_acceptance_length"] is not None:
-            acc = f"{r['mean_acceptance_length']:.2f}" + (f" +-{r['mean_acceptance_length_se']:.2f}"
-                                                          if r.get("mean_acceptance_length_se") is not None else "")
+            acc = f"{r['mean_acceptance_length']:.2f}" + (
+                f" +-{r['mean_acceptance_length_se']:.2f}" if r.get("mean_acceptance_length_se") is not None else ""
+            )
         per = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) if r["acceptance_per_pos"] else "-"
         speed = f"{r['decode_tokens_per_s']:.1f}"
         if r.get("decode_tokens_per_s_se") is not None:

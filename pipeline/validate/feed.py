@@ -68,7 +68,9 @@ class SlotFeed:
     def describe(self, label) -> str:
         if self.best is not None:
             return f"{label(self.best)} (rel L2 {self.errors[self.best]:.4f}, {self.rows} tokens)"
-        return f"no boundary (closest {label(self.closest)} at rel L2 {self.errors[self.closest]:.3f}, {self.rows} tokens)"
+        return (
+            f"no boundary (closest {label(self.closest)} at rel L2 {self.errors[self.closest]:.3f}, {self.rows} tokens)"
+        )
 
 
 def identify(fed: torch.Tensor, refs: dict[str, torch.Tensor], tol: Tolerances) -> SlotFeed:
@@ -76,7 +78,8 @@ def identify(fed: torch.Tensor, refs: dict[str, torch.Tensor], tol: Tolerances) 
     errors = {k: rel_l2(fed, v) for k, v in refs.items()}
     best = min(errors, key=errors.get)
     ok = errors[best] <= tol.match_rel_l2 and all(
-        e >= tol.neighbour_factor * errors[best] for k, e in errors.items() if k != best)
+        e >= tol.neighbour_factor * errors[best] for k, e in errors.items() if k != best
+    )
     return SlotFeed(best if ok else None, errors, int(fed.shape[0]))
 
 
@@ -86,7 +89,7 @@ def slot_sketches(rows: list[torch.Tensor], n_slots: int, proj: torch.Tensor) ->
     h = x.shape[1] // n_slots
     if h * n_slots != x.shape[1] or h != proj.shape[0]:
         raise ValueError(f"the draft was fed rows of width {x.shape[1]}, not {n_slots} slots x hidden {proj.shape[0]}")
-    return [sketch(x[:, s * h:(s + 1) * h], proj)[0] for s in range(n_slots)]
+    return [sketch(x[:, s * h : (s + 1) * h], proj)[0] for s in range(n_slots)]
 
 
 @dataclass
@@ -95,11 +98,16 @@ class MeasuredFeed:
 
     prefill: list[SlotFeed]
     verify: list[SlotFeed] | None
-    vs_training: list[float]          # rel L2 of the prefill feed vs the slot's training values
+    vs_training: list[float]  # rel L2 of the prefill feed vs the slot's training values
 
 
-def measure(per_request: list[tuple[Rows, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
-            training: list[torch.Tensor], n_slots: int, proj: torch.Tensor, tol: Tolerances) -> MeasuredFeed:
+def measure(
+    per_request: list[tuple[Rows, dict[str, torch.Tensor], dict[str, torch.Tensor]]],
+    training: list[torch.Tensor],
+    n_slots: int,
+    proj: torch.Tensor,
+    tol: Tolerances,
+) -> MeasuredFeed:
     """``per_request``: (rows, boundary sketches [len, dim] of the prompt's sample, of the final
     sequence); ``training``: per request, the slots' training sketches stacked [n_slots, len, dim]."""
     pre_fed: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]

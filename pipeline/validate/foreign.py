@@ -26,11 +26,16 @@ def import_for_validation(cfg: ValidateConfig) -> Path:
 
     art = Path(cfg.artifact)
     log.info("%s has no %s: probing which layers it was trained on", art, ARTIFACT_MANIFEST)
-    probe = run_probe(ProbeConfig.model_validate({**cfg.probe.model_dump(), "draft": str(art),
-                                                  "target": cfg.serving.target.model_dump()}), progress=False)
+    probe = run_probe(
+        ProbeConfig.model_validate(
+            {**cfg.probe.model_dump(), "draft": str(art), "target": cfg.serving.target.model_dump()}
+        ),
+        progress=False,
+    )
     if probe.trained is None:
-        raise ValidationInputError(f"{art}: a draft trained elsewhere, and which layers it was trained on is not known: "
-                                   f"{probe.report.summary}")
+        raise ValidationInputError(
+            f"{art}: a draft trained elsewhere, and which layers it was trained on is not known: {probe.report.summary}"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="strata-imported-"))
     atexit.register(shutil.rmtree, tmp, True)
     adopt(probe, tmp / "draft")
@@ -51,14 +56,31 @@ def compare_with_serving(probe: Probe) -> None:
         art = Path(tmp) / "draft"
         adopt(probe, art)
         serving = s.model_copy(update={"draft_config": s.draft_config or str(Path(probe.cfg.draft) / "config.json")})
-        v = run_validate(ValidateConfig(artifact=str(art), serving=serving, cost=False, acceptance_prompts=4,
-                                        max_new_tokens=16))
-    fed = [{"slot": x.slot, "trained": str(x.trained), "fed": str(x.fed) if x.fed else None, "fed_by": x.fed_by,
-            "ok": x.ok} for x in v.slots]
-    r.serving = {"deployment": v.serving, "engine_reads": v.engine_reads, "slots": fed,
-                 "acceptance": v.acceptance, "validation_reasons": v.reasons}
+        v = run_validate(
+            ValidateConfig(artifact=str(art), serving=serving, cost=False, acceptance_prompts=4, max_new_tokens=16)
+        )
+    fed = [
+        {
+            "slot": x.slot,
+            "trained": str(x.trained),
+            "fed": str(x.fed) if x.fed else None,
+            "fed_by": x.fed_by,
+            "ok": x.ok,
+        }
+        for x in v.slots
+    ]
+    r.serving = {
+        "deployment": v.serving,
+        "engine_reads": v.engine_reads,
+        "slots": fed,
+        "acceptance": v.acceptance,
+        "validation_reasons": v.reasons,
+    }
     r.reasons = v.reasons
     r.verdict = v.decision
     wrong = [x.message for x in v.slots if not x.ok] or v.reasons
-    r.summary += ("; served as configured it is fed the same layers" if v.decision == "pass" else
-                  f"; BLOCKED for {s.engine} {v.serving.get('engine_version')}: {wrong[0]}")
+    r.summary += (
+        "; served as configured it is fed the same layers"
+        if v.decision == "pass"
+        else f"; BLOCKED for {s.engine} {v.serving.get('engine_version')}: {wrong[0]}"
+    )

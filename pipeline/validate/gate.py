@@ -25,9 +25,15 @@ def label(point: CapturePoint, n: int) -> str:
 
 
 def check_slots(
-    trained: list[CapturePoint], fed: list[CapturePoint | None], fingerprints: dict[str, torch.Tensor],
-    replayed: dict[str, torch.Tensor], n: int, tol: Tolerances, fed_by: str = "rule",
-    predicted: list[CapturePoint] | None = None, unmatched: list[str] | None = None,
+    trained: list[CapturePoint],
+    fed: list[CapturePoint | None],
+    fingerprints: dict[str, torch.Tensor],
+    replayed: dict[str, torch.Tensor],
+    n: int,
+    tol: Tolerances,
+    fed_by: str = "rule",
+    predicted: list[CapturePoint] | None = None,
+    unmatched: list[str] | None = None,
 ) -> list[SlotCheck]:
     """``fingerprints``: slot point -> training sketch; ``replayed``: boundary point -> sketch.
 
@@ -43,9 +49,12 @@ def check_slots(
         f = fed[s] if s < len(fed) else None
         extra = {"fed_by": fed_by, "predicted": predicted[s] if predicted and s < len(predicted) else None}
         if f is None:
-            msg = (f"slot {s}: the values the engine feeds match {unmatched[s]}" if unmatched and s < len(unmatched)
-                   else f"slot {s}: the engine feeds no tensor here (it reads {len(fed)} aux ids, the draft has "
-                        f"{len(trained)} slots)")
+            msg = (
+                f"slot {s}: the values the engine feeds match {unmatched[s]}"
+                if unmatched and s < len(unmatched)
+                else f"slot {s}: the engine feeds no tensor here (it reads {len(fed)} aux ids, the draft has "
+                f"{len(trained)} slots)"
+            )
             out.append(SlotCheck(slot=s, trained=t, fed=None, errors=errs, best=best, ok=False, message=msg, **extra))
             continue
         fk = conventions.boundary(f, n)
@@ -58,19 +67,29 @@ def check_slots(
         elif errs[best] <= tol.match_rel_l2:
             bp = CapturePoint.parse(best)
             shift = conventions.position(f, n) - conventions.position(bp, n)
-            msg = (f"slot {s} is fed {label(f, n)} (rel L2 {fed_err:.3f} vs its training values), but the draft was "
-                   f"trained on {label(t, n)}, whose values match {label(bp, n)} (rel L2 {errs[best]:.4f})"
-                   + (f": shifted by {shift:+d}" if shift else ""))
+            msg = (
+                f"slot {s} is fed {label(f, n)} (rel L2 {fed_err:.3f} vs its training values), but the draft was "
+                f"trained on {label(t, n)}, whose values match {label(bp, n)} (rel L2 {errs[best]:.4f})"
+                + (f": shifted by {shift:+d}" if shift else "")
+            )
         else:
-            msg = (f"slot {s}: the training values of {label(t, n)} match no boundary of the serving target "
-                   f"(closest {label(CapturePoint.parse(best), n)} at rel L2 {errs[best]:.3f} > tolerance "
-                   f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance")
+            msg = (
+                f"slot {s}: the training values of {label(t, n)} match no boundary of the serving target "
+                f"(closest {label(CapturePoint.parse(best), n)} at rel L2 {errs[best]:.3f} > tolerance "
+                f"{tol.match_rel_l2}): other target weights, or a dtype/numerics change beyond tolerance"
+            )
         out.append(SlotCheck(slot=s, trained=t, fed=f, errors=errs, best=best, ok=ok, message=msg, **extra))
     return out
 
 
-def fix_hint(trained: list[CapturePoint], engine: str, n: int, family: str, release: str = conventions.NEWEST,
-             runner: str | None = None) -> str:
+def fix_hint(
+    trained: list[CapturePoint],
+    engine: str,
+    n: int,
+    family: str,
+    release: str = conventions.NEWEST,
+    runner: str | None = None,
+) -> str:
     """What to write so the engine release feeds exactly the trained points."""
     try:
         ids = conventions.aux_ids_for(trained, engine, n, family, release, runner)  # type: ignore[arg-type]

@@ -34,8 +34,9 @@ def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]
         return HFEngine(s.target.path, conventions.all_boundaries(n), s.dtype, "auto", s.attn_implementation), True
     if s.engine == "vllm":
         points = conventions.all_boundaries(n)[:-1]  # r_0..r_N: all vLLM can capture
-        return vllm_engine.shared("capture", s.target.path, points, dtype=s.dtype, tp_size=s.tp_size,
-                                  max_model_len=s.max_model_len), False
+        return vllm_engine.shared(
+            "capture", s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, max_model_len=s.max_model_len
+        ), False
 
     version = installed_version("sglang") or conventions.NEWEST  # what the replaying servers can capture
     try:
@@ -44,13 +45,19 @@ def open_replay_engine(cfg: ValidateConfig, n: int) -> tuple[TargetEngine, bool]
     except conventions.UnknownRelease:
         # No rule says which ids make this SGLang capture which boundary: HF transformers captures
         # every boundary of the same weights as the reference, and SGLang serves the draft.
-        log.warning("no derived rule for sglang %s on this target: the boundaries come from HF transformers (%s) "
-                    "and SGLang only serves the draft", version, s.dtype)
+        log.warning(
+            "no derived rule for sglang %s on this target: the boundaries come from HF transformers (%s) "
+            "and SGLang only serves the draft",
+            version,
+            s.dtype,
+        )
         ref = HFEngine(s.target.path, conventions.all_boundaries(n)[:-1], s.dtype, "auto", s.attn_implementation)
-        return sglang_engine.SGLangEngine(s.target.path, [], dtype=s.dtype, tp_size=s.tp_size,
-                                          max_model_len=s.max_model_len, reference=ref), True
-    return sglang_engine.SGLangEngine(s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family,
-                                      max_model_len=s.max_model_len), True
+        return sglang_engine.SGLangEngine(
+            s.target.path, [], dtype=s.dtype, tp_size=s.tp_size, max_model_len=s.max_model_len, reference=ref
+        ), True
+    return sglang_engine.SGLangEngine(
+        s.target.path, points, dtype=s.dtype, tp_size=s.tp_size, family=family, max_model_len=s.max_model_len
+    ), True
 
 
 @torch.no_grad()

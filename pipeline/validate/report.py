@@ -15,15 +15,19 @@ from schemas.validation import ValidationReport
 
 def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     """The terminal verdict: decision, what the engine reads, each slot, identity, acceptance, reasons."""
-    lines = [f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
-             f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
-             f"{indent}{r.engine_reads.get('rule', r.serving['engine'])} reads {r.engine_reads['key']} = "
-             f"{r.engine_reads['ids']} -> rule predicts {r.engine_reads['labels']}"]
+    lines = [
+        f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
+        f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
+        f"{indent}{r.engine_reads.get('rule', r.serving['engine'])} reads {r.engine_reads['key']} = "
+        f"{r.engine_reads['ids']} -> rule predicts {r.engine_reads['labels']}",
+    ]
     if r.provenance.get("summary"):
         lines.append(f"{indent}trained points {r.provenance['trained_points']}: {r.provenance['summary']}")
     if "prefill" in r.feed:
-        lines.append(f"{indent}measured feed ({r.feed.get('measured_with')}): prefill {r.feed['prefill']}; "
-                     f"verify steps {r.feed['verify']}")
+        lines.append(
+            f"{indent}measured feed ({r.feed.get('measured_with')}): prefill {r.feed['prefill']}; "
+            f"verify steps {r.feed['verify']}"
+        )
     elif "not_measured" in r.feed:
         lines.append(f"{indent}feed not measured: {r.feed['not_measured']}")
     lines += [f"{indent}RULE TABLE DISAGREES: {x}" for x in r.feed.get("disagreements", [])]
@@ -33,19 +37,28 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     if "mean_acceptance_length" in r.acceptance:
         a = r.acceptance
         lines += [f"{indent}acceptance, {name}: {line(m)}" for name, m in measurements(a)]
-        lines.append(f"{indent}  lossless (same tokens as target-only greedy): {a['lossless']}"
-                     + (f"; training accuracy predicted mean length "
-                        f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (reported, not gated)"
-                        if a.get("predicted_accepted_per_step") is not None else ""))
+        lines.append(
+            f"{indent}  lossless (same tokens as target-only greedy): {a['lossless']}"
+            + (
+                f"; training accuracy predicted mean length "
+                f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (reported, not gated)"
+                if a.get("predicted_accepted_per_step") is not None
+                else ""
+            )
+        )
         vs = a.get("vs_heldout") or {}
         if "measured" in vs:
-            lines.append(f"{indent}  vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at "
-                         f"training (first {vs['k']} positions; gate threshold {vs['threshold']:.2f}"
-                         f"{'' if vs['gated'] else ', not gated: ' + vs.get('why', '')})")
+            lines.append(
+                f"{indent}  vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at "
+                f"training (first {vs['k']} positions; gate threshold {vs['threshold']:.2f}"
+                f"{'' if vs['gated'] else ', not gated: ' + vs.get('why', '')})"
+            )
     lines += [f"{indent}- {x}" for x in r.reasons]
     if r.cost is not None:
-        lines.append(f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "
-                     f"{r.cost.get('prompts', 0)} held-out prompts, report only):")
+        lines.append(
+            f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "
+            f"{r.cost.get('prompts', 0)} held-out prompts, report only):"
+        )
         lines += [f"{indent}  {x}" for x in table_lines(r.cost)]
     if r.report_dir:
         lines.append(f"{indent}report: {r.report_dir}/report.md (heatmap {r.report_dir}/heatmap.png)")
@@ -68,21 +81,29 @@ def acceptance_table(a: dict) -> list[str]:
     """The report's acceptance section: one Markdown row per measurement."""
     if "mean_acceptance_length" not in a:
         return [f"not measured: {a.get('skipped', 'no acceptance prompts')}"]
-    rows = ["| configuration | measured by | prompts | verify steps | mean length +- SE | per position |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | measured by | prompts | verify steps | mean length +- SE | per position |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, m in measurements(a):
         se = f" +- {m['se']:.2f}" if m.get("se") is not None else ""
         per = " ".join(f"{x:.2f}" for x in m["acceptance_per_pos"]) if m.get("acceptance_per_pos") else "-"
-        rows.append(f"| {name} | {m['measured_by']} | {m.get('prompts') if m.get('prompts') is not None else '-'} | "
-                    f"{m['verify_steps']} | {m['mean_acceptance_length']:.2f}{se} | {per} |")
+        rows.append(
+            f"| {name} | {m['measured_by']} | {m.get('prompts') if m.get('prompts') is not None else '-'} | "
+            f"{m['verify_steps']} | {m['mean_acceptance_length']:.2f}{se} | {per} |"
+        )
     notes = [f"- lossless: {a.get('lossless')}" + (f" ({a['lossless_note']})" if a.get("lossless_note") else "")]
     if a.get("predicted_accepted_per_step") is not None:
-        notes.append(f"- training accuracy predicts a mean length of "
-                     f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (teacher-forced; reported, not gated)")
+        notes.append(
+            f"- training accuracy predicts a mean length of "
+            f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (teacher-forced; reported, not gated)"
+        )
     vs = a.get("vs_heldout") or {}
     if "measured" in vs:
-        notes.append(f"- vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at training "
-                     f"(gate threshold {vs['threshold']:.2f}{'' if vs['gated'] else '; not gated: ' + vs.get('why', '')})")
+        notes.append(
+            f"- vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at training "
+            f"(gate threshold {vs['threshold']:.2f}{'' if vs['gated'] else '; not gated: ' + vs.get('why', '')})"
+        )
     return [*rows, "", *notes]
 
 
@@ -93,35 +114,70 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
     names = [str(p) for p in conventions.all_boundaries(n)]
     short = [conventions.boundary_label(CapturePoint.parse(x), n) for x in names]
     lines = [
-        f"# Strata validation: **{r.decision.upper()}**", "",
+        f"# Strata validation: **{r.decision.upper()}**",
+        "",
         f"- artifact `{r.artifact_digest[:16]}`, serving `{r.serving['engine']} {r.serving['engine_version']}` "
         f"({r.serving['dtype']}, TP {r.serving['tp_size']}, key `{r.serving_key}`)",
         f"- {r.engine_reads.get('rule', 'the engine')} reads `{r.engine_reads['key']}` = `{r.engine_reads['ids']}` "
         f"-> its rule predicts {r.engine_reads['labels']} ({r.engine_reads.get('source', '')})",
-        *(f"- measured feed: prefill {r.feed['prefill']}; verify steps {r.feed['verify']}" for _ in [0] if "prefill" in r.feed),
+        *(
+            f"- measured feed: prefill {r.feed['prefill']}; verify steps {r.feed['verify']}"
+            for _ in [0]
+            if "prefill" in r.feed
+        ),
         *(f"- **rule table disagrees**: {x}" for x in r.feed.get("disagreements", [])),
-        *(f"- note (not blocking): {x}" for x in r.feed.get("verify_deviations", [])), "",
+        *(f"- note (not blocking): {x}" for x in r.feed.get("verify_deviations", [])),
+        "",
     ]
     if r.reasons:
         lines += ["## Why it is blocked", ""] + [f"- {x}" for x in r.reasons] + [""]
-    lines += ["## Slot alignment (relative L2 of the replayed target vs the training values)", "",
-              "(n/c: a boundary the serving engine cannot capture)", "",
-              "| slot | trained on | fed | " + " | ".join(short) + " |",
-              "|---|---|---|" + "---|" * len(short)]
+    lines += [
+        "## Slot alignment (relative L2 of the replayed target vs the training values)",
+        "",
+        "(n/c: a boundary the serving engine cannot capture)",
+        "",
+        "| slot | trained on | fed | " + " | ".join(short) + " |",
+        "|---|---|---|" + "---|" * len(short),
+    ]
     for s in r.slots:
         cells = []
         for name in names:
             v = s.errors.get(name)
             cells.append("n/c" if v is None else f"**{v:.3f}**" if name == s.best else f"{v:.3f}")
         fed = label(s.fed, n) if s.fed else "-"
-        lines.append(f"| {s.slot} {'ok' if s.ok else 'BAD'} | {label(s.trained, n)} | {fed} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {s.slot} {'ok' if s.ok else 'BAD'} | {label(s.trained, n)} | {fed} | " + " | ".join(cells) + " |"
+        )
     lines += ["", "![slot x boundary error](heatmap.png)", "", "## Identity", ""]
     lines += [f"- {'ok' if c.ok else 'MISMATCH'}: {c.message}" for c in r.identity]
-    lines += ["", "## Acceptance", "", *acceptance_table(r.acceptance), "",
-              *(["## What this configuration would cost (measured, report only)", "", r.cost.get("note", ""), "",
-                 "```", *table_lines(r.cost), "```", ""] if r.cost is not None else []),
-              "## Tolerances and calibration", "", "```", *(f"{k}: {v}" for k, v in r.tolerances.items()),
-              *(f"{k}: {v}" for k, v in r.calibration.items()), "```", ""]
+    lines += [
+        "",
+        "## Acceptance",
+        "",
+        *acceptance_table(r.acceptance),
+        "",
+        *(
+            [
+                "## What this configuration would cost (measured, report only)",
+                "",
+                r.cost.get("note", ""),
+                "",
+                "```",
+                *table_lines(r.cost),
+                "```",
+                "",
+            ]
+            if r.cost is not None
+            else []
+        ),
+        "## Tolerances and calibration",
+        "",
+        "```",
+        *(f"{k}: {v}" for k, v in r.tolerances.items()),
+        *(f"{k}: {v}" for k, v in r.calibration.items()),
+        "```",
+        "",
+    ]
     (out / "report.md").write_text("\n".join(lines))
 
 
@@ -138,12 +194,16 @@ def heatmap(r: ValidationReport, n: int, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.0 + 0.55 * len(names), 1.2 + 0.6 * len(r.slots)))
     im = ax.imshow(np.clip(m, 0, 1.5), cmap="viridis_r", aspect="auto")
     ax.set_xticks(range(len(names)), [conventions.boundary_label(CapturePoint.parse(x), n) for x in names], rotation=45)
-    ax.set_yticks(range(len(r.slots)), [f"slot {s.slot}\ntrained {conventions.boundary_label(s.trained, n)}" for s in r.slots])
+    ax.set_yticks(
+        range(len(r.slots)), [f"slot {s.slot}\ntrained {conventions.boundary_label(s.trained, n)}" for s in r.slots]
+    )
     for s in r.slots:
         if s.fed is not None:
             k = conventions.boundary(s.fed, n)
             x = names.index("final:post_norm") if k is None else k
-            ax.add_patch(plt.Rectangle((x - 0.5, s.slot - 0.5), 1, 1, fill=False, ec="red" if not s.ok else "white", lw=2.5))
+            ax.add_patch(
+                plt.Rectangle((x - 0.5, s.slot - 0.5), 1, 1, fill=False, ec="red" if not s.ok else "white", lw=2.5)
+            )
         for j, v in enumerate(m[s.slot]):
             if np.isnan(v):
                 continue

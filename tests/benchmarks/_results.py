@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def provenance() -> dict:
     """The commit and date a result was measured at; ``commit: null`` outside a git checkout."""
+
     def git(*args: str) -> str | None:
         try:
             run = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)

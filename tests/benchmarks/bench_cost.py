@@ -45,8 +45,10 @@ from schemas.validation import ValidateConfig  # noqa: E402
 
 LAYERS = 12
 # Wrong configurations as the capture points they make vLLM feed, from the trained points.
-MISCONFIGURED = {"incident: embedding inserted, last slot dropped": lambda pts: [CapturePoint.embedding(), *pts[:-1]],
-                 "every slot shifted +1": lambda pts: shifted(pts, 1, LAYERS)}
+MISCONFIGURED = {
+    "incident: embedding inserted, last slot dropped": lambda pts: [CapturePoint.embedding(), *pts[:-1]],
+    "every slot shifted +1": lambda pts: shifted(pts, 1, LAYERS),
+}
 
 
 def draft(root: Path, data: str) -> tuple[Path, dict, float]:
@@ -56,9 +58,12 @@ def draft(root: Path, data: str) -> tuple[Path, dict, float]:
     if data == "regenerated":
         regenerate_demo(root)
     else:
-        ecfg = ecfg.model_copy(update={
-            "source": ecfg.source.model_copy(update={"uri": str(root / "conversations.jsonl")}),
-            "output": ecfg.output.model_copy(update={"uri": str(root / "dataset-original")})})
+        ecfg = ecfg.model_copy(
+            update={
+                "source": ecfg.source.model_copy(update={"uri": str(root / "conversations.jsonl")}),
+                "output": ecfg.output.model_copy(update={"uri": str(root / "dataset-original")}),
+            }
+        )
     run_extract(ecfg, progress=False, use_ray=False)
     tcfg = load_config(root / "train.yaml", TrainConfig)
     tcfg = tcfg.model_copy(update={"dataset": ecfg.output.uri, "output": str(root / f"run-{data}")})
@@ -72,9 +77,19 @@ def serve(root: Path, art: Path) -> dict:
     for name, wrong in MISCONFIGURED.items():
         cfg = draft_config_feeding(json.loads((art / "config.json").read_text()), wrong(trained), "vllm", LAYERS)
         (root / "served.json").write_text(json.dumps(cfg))
-        r = run_validate(ValidateConfig.model_validate({
-            "artifact": str(art), "serving": {"engine": "vllm", "dtype": "float32", "target": {"path": str(root / "target")},
-                                              "draft_config": str(root / "served.json")}}))
+        r = run_validate(
+            ValidateConfig.model_validate(
+                {
+                    "artifact": str(art),
+                    "serving": {
+                        "engine": "vllm",
+                        "dtype": "float32",
+                        "target": {"path": str(root / "target")},
+                        "draft_config": str(root / "served.json"),
+                    },
+                }
+            )
+        )
         tables[name] = {"ids": cfg[AUX_KEY], "decision": r.decision, "cost": r.cost}
         print(f"\n{art.parent.parent.name}, {name}: {r.decision}")
         print("\n".join(table_lines(r.cost or {})))
@@ -91,23 +106,38 @@ def main() -> None:
     ensure_demo(root)
     target_s = time.perf_counter() - t0
     runs = {}
-    for data in (["regenerated", "original"] if args.data == "both" else [args.data]):
+    for data in ["regenerated", "original"] if args.data == "both" else [args.data]:
         art, metrics, build_s = draft(root, data)
-        runs[data] = {"draft": {"eval_acc_per_pos": (metrics.get("eval") or {}).get("acc_per_pos"),
-                                "heldout_acceptance": metrics.get("heldout_acceptance"), "build_s": round(build_s, 1)},
-                      "configurations": serve(root, art)}
+        runs[data] = {
+            "draft": {
+                "eval_acc_per_pos": (metrics.get("eval") or {}).get("acc_per_pos"),
+                "heldout_acceptance": metrics.get("heldout_acceptance"),
+                "build_s": round(build_s, 1),
+            },
+            "configurations": serve(root, art),
+        }
     rec = json.loads((root / "target" / RECORD).read_text())
     first = next(iter(runs.values()))["configurations"]
     result = {
-        "benchmark": "cost of a layer-id misconfiguration", "host": platform.node(), "cpu_count": os.cpu_count(),
+        "benchmark": "cost of a layer-id misconfiguration",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
         "engine": next(iter(first.values()))["cost"].get("measured_by"),
-        "target": {k: rec[k] for k in ("recipe", "heldout_perplexity", "unigram_perplexity",
-                                        "heldout_next_token_accuracy", "train_seconds")},
+        "target": {
+            k: rec[k]
+            for k in (
+                "recipe",
+                "heldout_perplexity",
+                "unigram_perplexity",
+                "heldout_next_token_accuracy",
+                "train_seconds",
+            )
+        },
         "target_build_s": round(target_s, 1),
         "train_config": load_config(root / "train.yaml", TrainConfig).model_dump(mode="json", exclude={"s3"}),
         "runs": runs,
         "note": "decode tokens/s are single-stream on this host; compare ratios (speedup_vs_no_speculation), "
-                "not absolute numbers; +- values are one standard error over the prompts",
+        "not absolute numbers; +- values are one standard error over the prompts",
     }
     save_result(result, "cost_tiny_cpu.json")
 

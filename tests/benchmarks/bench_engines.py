@@ -54,18 +54,34 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="strata-bench-engines-"))
     target = make_tiny_target(root / "target", num_layers=6, hidden_size=256)
     write_conversations(root / "conv.jsonl")
-    base = {"target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "capture": POINTS,
-            "max_length": 512, "fingerprint": {"probe_samples": 16}}
+    base = {
+        "target": {"path": str(target)},
+        "source": {"uri": str(root / "conv.jsonl")},
+        "capture": POINTS,
+        "max_length": 512,
+        "fingerprint": {"probe_samples": 16},
+    }
     jobs = {}
     for name in ("hf", "vllm"):
         t0 = time.perf_counter()
-        m = run_extract(ExtractConfig.model_validate({
-            **base, "output": {"uri": str(root / f"ds-{name}")},
-            "engine": {"name": name, "dtype": "float32", "device": "cpu", "max_model_len": 1024}}),
-            progress=False, use_ray=False)
+        m = run_extract(
+            ExtractConfig.model_validate(
+                {
+                    **base,
+                    "output": {"uri": str(root / f"ds-{name}")},
+                    "engine": {"name": name, "dtype": "float32", "device": "cpu", "max_model_len": 1024},
+                }
+            ),
+            progress=False,
+            use_ray=False,
+        )
         wall = time.perf_counter() - t0
-        jobs[name] = {"wall_s_incl_engine_start": wall, "tokens": m.totals.tokens, "rows": m.totals.rows,
-                      "tok_per_s_incl_engine_start": m.totals.tokens / wall}
+        jobs[name] = {
+            "wall_s_incl_engine_start": wall,
+            "tokens": m.totals.tokens,
+            "rows": m.totals.rows,
+            "tok_per_s_incl_engine_start": m.totals.tokens / wall,
+        }
 
     seqs = [s.input_ids.tolist() for s in DatasetReader(str(root / "ds-hf")).iter_samples()]
     tokens = sum(len(s) for s in seqs)
@@ -80,32 +96,75 @@ def main() -> None:
     vl_s = timed_capture(vl, batches)
     vl.close()
 
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds-hf"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 4096, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 3, "num_workers": 1,
-        "eval_fraction": 0.05, "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32"}}), use_ray=False)
-    r = run_validate(ValidateConfig.model_validate({
-        "artifact": str(root / "run/export/vllm"), "acceptance_prompts": 16, "max_new_tokens": 32,
-        "speculative_tokens": 3,
-        "serving": {"engine": "vllm", "replay": "engine", "dtype": "float32", "max_model_len": 1024,
-                    "target": {"path": str(target)}}}))
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds-hf"),
+                "target": {"path": str(target)},
+                "output": str(root / "run"),
+                "draft_vocab_size": 4096,
+                "ttt_steps": 3,
+                "batch_tokens": 2048,
+                "epochs": 3,
+                "num_workers": 1,
+                "eval_fraction": 0.05,
+                "optim": {"lr": 3e-3, "warmup_steps": 2},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32"},
+            }
+        ),
+        use_ray=False,
+    )
+    r = run_validate(
+        ValidateConfig.model_validate(
+            {
+                "artifact": str(root / "run/export/vllm"),
+                "acceptance_prompts": 16,
+                "max_new_tokens": 32,
+                "speculative_tokens": 3,
+                "serving": {
+                    "engine": "vllm",
+                    "replay": "engine",
+                    "dtype": "float32",
+                    "max_model_len": 1024,
+                    "target": {"path": str(target)},
+                },
+            }
+        )
+    )
     vllm_engine.close_all()
     acc = r.acceptance
     result = {
-        "benchmark": "engines", "host": platform.node(), "cpu_count": os.cpu_count(), "vllm": vllm_engine.vllm_version(),
+        "benchmark": "engines",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "vllm": vllm_engine.vllm_version(),
         "target": {"layers": 6, "hidden": 256, "dtype": "float32"},
-        "capture": {"samples": len(seqs), "tokens": tokens, "batches": len(batches), "points": POINTS,
-                    "hf_tok_per_s": tokens / hf_s, "vllm_tok_per_s": tokens / vl_s,
-                    "vllm_over_hf": hf_s / vl_s, "vllm_engine_start_s": start_s},
+        "capture": {
+            "samples": len(seqs),
+            "tokens": tokens,
+            "batches": len(batches),
+            "points": POINTS,
+            "hf_tok_per_s": tokens / hf_s,
+            "vllm_tok_per_s": tokens / vl_s,
+            "vllm_over_hf": hf_s / vl_s,
+            "vllm_engine_start_s": start_s,
+        },
         "extraction_job": jobs,
         "acceptance": {
-            "decision": r.decision, "reasons": r.reasons, "k": acc.get("k"),
-            "vllm": {x: acc.get(x) for x in ("mean_acceptance_length", "acceptance_per_pos", "verify_steps",
-                                             "draft_tokens", "lossless")},
-            "reference": {x: acc["reference"].get(x) for x in ("mean_acceptance_length", "acceptance_per_pos",
-                                                               "verify_steps", "lossless")}
-            if "reference" in acc else None,
+            "decision": r.decision,
+            "reasons": r.reasons,
+            "k": acc.get("k"),
+            "vllm": {
+                x: acc.get(x)
+                for x in ("mean_acceptance_length", "acceptance_per_pos", "verify_steps", "draft_tokens", "lossless")
+            },
+            "reference": {
+                x: acc["reference"].get(x)
+                for x in ("mean_acceptance_length", "acceptance_per_pos", "verify_steps", "lossless")
+            }
+            if "reference" in acc
+            else None,
         },
     }
     save_result(result, "engines_tiny_cpu.json")

@@ -39,12 +39,30 @@ from schemas.dataset import dataset_schema  # noqa: E402
 from schemas.provenance import EngineRef, TensorProvenance  # noqa: E402
 
 SHAPES = {
-    "tiny": dict(num_hidden_layers=6, hidden_size=256, intermediate_size=672, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=2048),
-    "mid": dict(num_hidden_layers=8, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=32000),
-    "llama-8b": dict(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                     num_key_value_heads=8, vocab_size=128256),
+    "tiny": dict(
+        num_hidden_layers=6,
+        hidden_size=256,
+        intermediate_size=672,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=2048,
+    ),
+    "mid": dict(
+        num_hidden_layers=8,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+    "llama-8b": dict(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    ),
 }
 
 
@@ -58,9 +76,14 @@ def activations(tokens: int, hidden: int, seed: int = 0) -> torch.Tensor:
 
 def prov(point: CapturePoint, hidden: int, dtype: str = "bfloat16") -> TensorProvenance:
     return TensorProvenance(
-        capture_point=point, boundary="r_?", dtype=dtype, hidden_size=hidden, encoding="byte_planes_v1",
+        capture_point=point,
+        boundary="r_?",
+        dtype=dtype,
+        hidden_size=hidden,
+        encoding="byte_planes_v1",
         engine=EngineRef(name="hf", version="bench", native_id=None, native_id_convention="none"),
-        target_model="bench", target_key="bench",
+        target_model="bench",
+        target_key="bench",
     )
 
 
@@ -88,8 +111,14 @@ def bench_writer(hidden: int = 4096, samples: int = 8, seq: int = 1024, repeats:
         flat = x.view(torch.uint8).numpy().reshape(samples * seq, 2 * hidden)
         arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(2 * hidden), samples * seq, [None, pa.py_buffer(flat)])
         sink = _HashingFile(str(tmp / "base.tmp"))
-        pq.write_table(pa.table({"x": arr}), pa.PythonFile(sink, mode="w"), compression="zstd",
-                       compression_level=1, use_dictionary=False, write_statistics=False)
+        pq.write_table(
+            pa.table({"x": arr}),
+            pa.PythonFile(sink, mode="w"),
+            compression="zstd",
+            compression_level=1,
+            use_dictionary=False,
+            write_statistics=False,
+        )
         sink.close()
         os.replace(tmp / "base.tmp", tmp / "base.parquet")
         return time.perf_counter() - t0, time.process_time() - c0, sink.size
@@ -100,21 +129,26 @@ def bench_writer(hidden: int = 4096, samples: int = 8, seq: int = 1024, repeats:
 
     ours_gpu_path, ours_cpu_path, base = best(ours, True), best(ours, False), best(baseline)
     out = {
-        "hidden": hidden, "tokens": samples * seq, "raw_bf16_bytes": raw_bytes,
+        "hidden": hidden,
+        "tokens": samples * seq,
+        "raw_bf16_bytes": raw_bytes,
         "ours_planes_given": {  # the GPU path: the byte split happens on the device before the copy
-            "GBps": raw_bytes / ours_gpu_path[0] / 1e9, "GBps_per_cpu_second": raw_bytes / ours_gpu_path[1] / 1e9,
+            "GBps": raw_bytes / ours_gpu_path[0] / 1e9,
+            "GBps_per_cpu_second": raw_bytes / ours_gpu_path[1] / 1e9,
             "size_ratio": ours_gpu_path[2] / raw_bytes,
         },
         "ours_with_cpu_split": {
-            "GBps": raw_bytes / ours_cpu_path[0] / 1e9, "GBps_per_cpu_second": raw_bytes / ours_cpu_path[1] / 1e9,
+            "GBps": raw_bytes / ours_cpu_path[0] / 1e9,
+            "GBps_per_cpu_second": raw_bytes / ours_cpu_path[1] / 1e9,
             "size_ratio": ours_cpu_path[2] / raw_bytes,
         },
         "baseline_flba_zstd1": {
-            "GBps": raw_bytes / base[0] / 1e9, "GBps_per_cpu_second": raw_bytes / base[1] / 1e9,
+            "GBps": raw_bytes / base[0] / 1e9,
+            "GBps_per_cpu_second": raw_bytes / base[1] / 1e9,
             "size_ratio": base[2] / raw_bytes,
         },
         "note": "single writer thread; both include Parquet, SHA-256 while writing, fsync and rename. "
-                "GBps_per_cpu_second excludes time blocked on the disk (fsync).",
+        "GBps_per_cpu_second excludes time blocked on the disk (fsync).",
     }
     out["speedup_vs_baseline_wall"] = out["ours_planes_given"]["GBps"] / out["baseline_flba_zstd1"]["GBps"]
     out["speedup_vs_baseline_cpu"] = (
@@ -165,15 +199,22 @@ def bench_end_to_end(shape: str, device: str, dtype: str, samples: int, seq: int
     n = ident.num_layers
     # The EAGLE-3 default aux layers (de-duplicated: they collapse for small N) + final post-norm.
     points = [f"layer_output:{j}" for j in sorted({1, n // 2 - 1, n - 4})] + ["final:post_norm"]
-    cfg = ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": "bench.jsonl"}, "output": {"uri": str(root / "ds")},
-        "capture": points, "engine": {"dtype": dtype, "device": device, "batch_tokens": samples * seq},
-    })
+    cfg = ExtractConfig.model_validate(
+        {
+            "target": {"path": str(target)},
+            "source": {"uri": "bench.jsonl"},
+            "output": {"uri": str(root / "ds")},
+            "capture": points,
+            "engine": {"dtype": dtype, "device": device, "batch_tokens": samples * seq},
+        }
+    )
     schema, _ = build_schema(cfg, ident)
     engine = HFEngine(target, cfg.capture, dtype, device, "sdpa", samples * seq)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(10, ident.vocab_size, (seq,), generator=g).tolist() for _ in range(samples)]
-    unit = TokenizedUnit(0, 0, samples, [SampleMeta(f"s{i}", "bench", i, "c", s, [1] * seq) for i, s in enumerate(seqs)])
+    unit = TokenizedUnit(
+        0, 0, samples, [SampleMeta(f"s{i}", "bench", i, "c", s, [1] * seq) for i, s in enumerate(seqs)]
+    )
     writer = UnitWriter(cfg, schema, engine, compress_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
 
@@ -194,9 +235,16 @@ def bench_end_to_end(shape: str, device: str, dtype: str, samples: int, seq: int
     tokens = samples * seq
     bare_tps, e2e_tps = tokens / min(bare), tokens / min(e2e)
     return {
-        "shape": shape, "device": str(engine.device), "dtype": dtype, "samples": samples, "seq_len": seq,
-        "capture_points": points, "bare_forward_tok_s": bare_tps, "extraction_tok_s": e2e_tps,
-        "ratio_extraction_over_bare": e2e_tps / bare_tps, "shard_bytes": rec.bytes,
+        "shape": shape,
+        "device": str(engine.device),
+        "dtype": dtype,
+        "samples": samples,
+        "seq_len": seq,
+        "capture_points": points,
+        "bare_forward_tok_s": bare_tps,
+        "extraction_tok_s": e2e_tps,
+        "ratio_extraction_over_bare": e2e_tps / bare_tps,
+        "shard_bytes": rec.bytes,
         "bytes_per_token": rec.bytes / tokens,
     }
 
@@ -216,8 +264,12 @@ def main() -> None:
     dtype = a.dtype or ("bfloat16" if gpu else "float32")
     seq = a.seq or (2048 if gpu else 512)
     result = {
-        "benchmark": "extract", "host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if gpu else None, "torch_threads": torch.get_num_threads(),
+        "benchmark": "extract",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "torch_threads": torch.get_num_threads(),
     }
     if not a.skip_writer:
         result["writer"] = bench_writer(repeats=a.repeats)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _results import save_result  # noqa: E402
 from bench_extract import SHAPES, build_target  # noqa: E402
 
-BARE_SCRIPT = r'''
+BARE_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch
@@ -56,7 +56,7 @@ with torch.inference_mode():
 t3 = time.perf_counter()
 print(json.dumps({"import_and_load_s": t1 - t0, "tokenize_s": t2 - t1, "forward_s": t3 - t2,
                   "tokens": sum(map(len, ids)), "threads": torch.get_num_threads()}))
-'''
+"""
 
 
 def job_config(target: Path, conversations: Path, out: Path, cpus: int, engine: str = "hf") -> dict:
@@ -64,7 +64,9 @@ def job_config(target: Path, conversations: Path, out: Path, cpus: int, engine: 
     residual stream only: its fourth point is the pre-norm final state."""
     final = "final:post_norm" if engine == "hf" else "final:pre_norm"
     return {
-        "target": {"path": str(target)}, "source": {"uri": str(conversations)}, "output": {"uri": str(out)},
+        "target": {"path": str(target)},
+        "source": {"uri": str(conversations)},
+        "output": {"uri": str(out)},
         "capture": ["layer_output:1", "layer_output:3", "layer_output:4", final],
         "engine": {"name": engine, "dtype": "bfloat16", "device": "cpu"},
         "ray": {"num_actors": 1, "cpus_per_actor": cpus},
@@ -79,8 +81,14 @@ def run_cli(command: str, cfg: dict, work: Path, *flags: str) -> float:
     path = work / f"{command}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pipeline.cli", command, "--config", str(path), *flags], cwd=ROOT,
-                         env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=3600)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", command, "--config", str(path), *flags],
+        cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": ""},
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if run.returncode:
         raise SystemExit(f"strata {command} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     return time.perf_counter() - t0
@@ -95,11 +103,15 @@ def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
     s = m.seconds
     # The capture actor's critical path; what else the capture stage took is Ray's (the actor's
     # process start and imports, scheduling, object transfers).
-    actor = sum(units.get(k, 0.0) for k in ("engine_start", "tokenize", "forward", "byte_split", "writer_wait",
-                                            "commit"))
+    actor = sum(
+        units.get(k, 0.0) for k in ("engine_start", "tokenize", "forward", "byte_split", "writer_wait", "commit")
+    )
     return {
-        "wall_s": wall, "tokens": m.totals.tokens, "bytes": m.totals.bytes,
-        "job_stages_s": s, "unit_stages_summed_s": {k: round(v, 4) for k, v in units.items()},
+        "wall_s": wall,
+        "tokens": m.totals.tokens,
+        "bytes": m.totals.bytes,
+        "job_stages_s": s,
+        "unit_stages_summed_s": {k: round(v, 4) for k, v in units.items()},
         "process_start_and_imports_s": wall - s["total"],
         "ray_overhead_s": s["capture"] - actor if ray else None,
     }
@@ -107,8 +119,12 @@ def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
 
 def run_bare(target: Path, conversations: Path) -> dict:
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-c", BARE_SCRIPT, str(target), str(conversations)],
-                         capture_output=True, text=True, timeout=1800)
+    run = subprocess.run(
+        [sys.executable, "-c", BARE_SCRIPT, str(target), str(conversations)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     wall = time.perf_counter() - t0
     if run.returncode:
         raise SystemExit(f"bare-forward script failed:\n{run.stderr[-4000:]}")
@@ -160,14 +176,21 @@ def main() -> None:
         jobs.append(job(a.conversations, f"r{r}"))
         bares.append(run_bare(target, convs[a.conversations]))
         local.append(job(a.conversations, f"l{r}", ray=False))
-        print(f"repeat {r}: job {jobs[-1]['wall_s']:.1f}s, bare script {bares[-1]['wall_s']:.1f}s, "
-              f"job --no-ray {local[-1]['wall_s']:.1f}s", flush=True)
-    curve = [{"conversations": a.conversations, "tokens": j["tokens"], "job_wall_s": j["wall_s"],
-              "bare_wall_s": b["wall_s"]} for j, b in zip(jobs, bares, strict=True)]
+        print(
+            f"repeat {r}: job {jobs[-1]['wall_s']:.1f}s, bare script {bares[-1]['wall_s']:.1f}s, "
+            f"job --no-ray {local[-1]['wall_s']:.1f}s",
+            flush=True,
+        )
+    curve = [
+        {"conversations": a.conversations, "tokens": j["tokens"], "job_wall_s": j["wall_s"], "bare_wall_s": b["wall_s"]}
+        for j, b in zip(jobs, bares, strict=True)
+    ]
     for n in sizes:
         if n != a.conversations:
             j, b = job(n, f"n{n}"), run_bare(target, convs[n])
-            curve.append({"conversations": n, "tokens": j["tokens"], "job_wall_s": j["wall_s"], "bare_wall_s": b["wall_s"]})
+            curve.append(
+                {"conversations": n, "tokens": j["tokens"], "job_wall_s": j["wall_s"], "bare_wall_s": b["wall_s"]}
+            )
     load_after = os.getloadavg()
 
     best = min(jobs, key=lambda j: j["wall_s"])
@@ -177,9 +200,17 @@ def main() -> None:
     capture = [j["job_stages_s"]["capture"] for j in jobs]
     forward = [b["forward_s"] for b in bares]
     result = {
-        "benchmark": "extract_job", "engine": a.engine, "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
-        "model": SHAPES[a.shape], "dtype": "bfloat16", "conversations": a.conversations, "tokens": best["tokens"],
-        "loadavg_before": load_before, "loadavg_after": load_after,
+        "benchmark": "extract_job",
+        "engine": a.engine,
+        "host": platform.node(),
+        "cpu_count": cpus,
+        "shape": a.shape,
+        "model": SHAPES[a.shape],
+        "dtype": "bfloat16",
+        "conversations": a.conversations,
+        "tokens": best["tokens"],
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
         "job_wall_s": spread([j["wall_s"] for j in jobs]),
         "job_no_ray_wall_s": spread([j["wall_s"] for j in local]),
         "bare_script_wall_s": spread([b["wall_s"] for b in bares]),
@@ -196,7 +227,8 @@ def main() -> None:
             "capture_stage_over_bare_forward": statistics.median(forward) / statistics.median(capture),
             # per-token cost from the scaling curve: fixed costs cancel
             "marginal_job_over_bare": bare_fit["per_1k_tokens_s"] / job_fit["per_1k_tokens_s"]
-            if job_fit["per_1k_tokens_s"] > 0 else None,
+            if job_fit["per_1k_tokens_s"] > 0
+            else None,
         },
         "fixed_costs_s": {
             "process_start_and_imports": best["process_start_and_imports_s"],
@@ -206,16 +238,18 @@ def main() -> None:
             "bare_script_import_and_load": min(b["import_and_load_s"] for b in bares),
         },
         "scaling_curve": sorted(curve, key=lambda c: c["conversations"]),
-        "fit_job": job_fit, "fit_bare_script": bare_fit,
+        "fit_job": job_fit,
+        "fit_bare_script": bare_fit,
         "breakdown_best_job": {k: best[k] for k in ("job_stages_s", "unit_stages_summed_s")},
-        "breakdown_best_job_no_ray": {k: min(local, key=lambda j: j["wall_s"])[k]
-                                      for k in ("job_stages_s", "unit_stages_summed_s")},
+        "breakdown_best_job_no_ray": {
+            k: min(local, key=lambda j: j["wall_s"])[k] for k in ("job_stages_s", "unit_stages_summed_s")
+        },
         "note": "job: python -m pipeline.cli extract with the engine named above, one capture actor holding every CPU, "
-                "tokenizing its own units, "
-                "4 capture points, zstd byte planes, fsync + atomic publish, manifest and 16 probe fingerprints. "
-                "bare: plain HF script, one conversation per forward (no padding), nothing written. "
-                "unit stages are summed over units and run concurrently (writer threads), so they can exceed "
-                "the capture stage's wall time.",
+        "tokenizing its own units, "
+        "4 capture points, zstd byte planes, fsync + atomic publish, manifest and 16 probe fingerprints. "
+        "bare: plain HF script, one conversation per forward (no padding), nothing written. "
+        "unit stages are summed over units and run concurrently (writer threads), so they can exceed "
+        "the capture stage's wall time.",
     }
     save_result(result, f"extract_job_{a.shape}_{a.engine}_cpu.json", a.out)
 

@@ -60,9 +60,16 @@ def build_target(shape: str, device: torch.device, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     h, layers, inter, heads, kv, vocab, *_ = SHAPES[shape]
-    cfg = LlamaConfig(hidden_size=h, num_hidden_layers=layers, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=kv, vocab_size=vocab, max_position_embeddings=4096,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=h,
+        num_hidden_layers=layers,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(dtype)
@@ -83,8 +90,9 @@ class PlaneWriters:
         names = [f"{p}#b{k}" for p in points for k in range(nbytes)]
         self.schema = pa.schema([pa.field("num_tokens", pa.int32())] + [pa.field(c, pa.large_binary()) for c in names])
         self.points, self.nbytes, self.bytes, self.busy_s = points, nbytes, 0, 0.0
-        self.threads = [threading.Thread(target=self._run, args=(out_dir / f"shard-{i}.parquet",), daemon=True)
-                        for i in range(n)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(out_dir / f"shard-{i}.parquet",), daemon=True) for i in range(n)
+        ]
         self._lock = threading.Lock()
         for t in self.threads:
             t.start()
@@ -101,7 +109,7 @@ class PlaneWriters:
                 size = 0
                 for p in self.points:
                     for k in range(self.nbytes):
-                        cells = [planes[p][k][offs[i]:offs[i + 1]].tobytes() for i in range(len(lengths))]
+                        cells = [planes[p][k][offs[i] : offs[i + 1]].tobytes() for i in range(len(lengths))]
                         if k == self.nbytes - 1:
                             cells = [codec.compress(c, asbytes=True) for c in cells]
                         size += sum(map(len, cells))
@@ -142,9 +150,13 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
     @torch.no_grad()
     def capture(out_dir: Path) -> dict:
         store: dict[str, torch.Tensor] = {}
-        hooks = [layers[k].register_forward_pre_hook(
-            lambda _m, args, kw, k=k: store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
-            with_kwargs=True) for k in aux]
+        hooks = [
+            layers[k].register_forward_pre_hook(
+                lambda _m, args, kw, k=k: store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
+                with_kwargs=True,
+            )
+            for k in aux
+        ]
         hooks.append(norm.register_forward_hook(lambda _m, _a, out: store.__setitem__("final_post", out)))
         pool = PlaneWriters(writers, out_dir, points, torch.tensor([], dtype=dtype).element_size())
         try:
@@ -152,7 +164,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
                 packed_forward(model, model.model, [seqs[i] for i in b], device)
                 host = {}
                 for p in points:
-                    x = store[p][0]                             # [sum T, H]: the packed row
+                    x = store[p][0]  # [sum T, H]: the packed row
                     planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
                     buf = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
                     buf.copy_(planes, non_blocking=True)
@@ -178,16 +190,35 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
             written = capture(Path(d))
             runs["capture"].append(real / (time.perf_counter() - t0))
     med = {k: float(np.median(v)) for k, v in runs.items()}
-    return {"shape": shape, "conversations": n_conv, "real_tokens": real, "batches": len(batches),
-            "points": points, "writers": writers, "tokens_per_s": runs, "median_tokens_per_s": med,
-            "capture_over_bare": med["capture"] / med["bare_forward"], "goal": 0.90,
-            "written_bytes_last_run": written.get("bytes"), "writer_busy_s_last_run": written.get("writer_busy_s")}
+    return {
+        "shape": shape,
+        "conversations": n_conv,
+        "real_tokens": real,
+        "batches": len(batches),
+        "points": points,
+        "writers": writers,
+        "tokens_per_s": runs,
+        "median_tokens_per_s": med,
+        "capture_over_bare": med["capture"] / med["bare_forward"],
+        "goal": 0.90,
+        "written_bytes_last_run": written.get("bytes"),
+        "writer_busy_s_last_run": written.get("writer_busy_s"),
+    }
 
 
 def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int) -> dict:
     h, _, inter, heads, kv, vocab, *_ = SHAPES[shape]
-    cfg = DraftConfig(hidden_size=h, target_hidden_size=h, num_aux=3, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=kv, head_dim=h // heads, vocab_size=vocab, draft_vocab_size=min(vocab, 32000))
+    cfg = DraftConfig(
+        hidden_size=h,
+        target_hidden_size=h,
+        num_aux=3,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=h // heads,
+        vocab_size=vocab,
+        draft_vocab_size=min(vocab, 32000),
+    )
     seq = 2048 if shape == "llama-8b" else 256
     batches = synthetic_batches(cfg, 2, seq, device, dtype)
     model = make_model(cfg, device, dtype)
@@ -204,8 +235,14 @@ def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps
         return steps * seq / (time.perf_counter() - t0)
 
     one, full = tokens_per_s(1), tokens_per_s(ttt)
-    return {"seq": seq, "ttt": ttt, "tokens_per_s_ttt1": one, "tokens_per_s": full, "ttt_cost_ratio": one / full,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None}
+    return {
+        "seq": seq,
+        "ttt": ttt,
+        "tokens_per_s_ttt1": one,
+        "tokens_per_s": full,
+        "ttt_cost_ratio": one / full,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -220,9 +257,15 @@ def main(argv: list[str] | None = None) -> dict:
     a.add_argument("--out")
     args = a.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    result = {"benchmark": "gpu", "host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": args.dtype,
-              "load_avg": os.getloadavg()}
+    result = {
+        "benchmark": "gpu",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "load_avg": os.getloadavg(),
+    }
     result["extraction"] = bench_extraction(args.shape, device, dtype, args.writers, args.repeats)
     result["draft_step"] = bench_draft_step(args.shape, device, dtype, args.steps, args.ttt)
     save_result(result, f"gpu_{args.shape}_{device.type}.json", args.out)

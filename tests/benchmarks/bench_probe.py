@@ -56,17 +56,34 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
         model = read_draft(src, target).model
         init_weights(model, seed=1)
         rand = {k: v for k, v in model.state_dict().items() if k in sd}
-        save_file({k: v.contiguous() if v.is_floating_point() else v.to(torch.long) for k, v in rand.items()},
-                  str(out / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() if v.is_floating_point() else v.to(torch.long) for k, v in rand.items()},
+            str(out / "model.safetensors"),
+        )
         return out
     run = root / f"run-{epochs}"
     if not run.exists():
-        run_train(TrainConfig.model_validate({
-            "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(run),
-            "aux": aux, "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": epochs,
-            "num_workers": 1, "eval_fraction": 0.05, "optim": {"lr": 1e-2, "warmup_steps": 10},
-            "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32", "engines": ["vllm"]},
-            "heldout_acceptance": {"prompts": 0}}), use_ray=False)
+        run_train(
+            TrainConfig.model_validate(
+                {
+                    "dataset": str(root / "ds"),
+                    "target": {"path": str(target)},
+                    "output": str(run),
+                    "aux": aux,
+                    "draft_vocab_size": 2048,
+                    "ttt_steps": 3,
+                    "batch_tokens": 2048,
+                    "epochs": epochs,
+                    "num_workers": 1,
+                    "eval_fraction": 0.05,
+                    "optim": {"lr": 1e-2, "warmup_steps": 10},
+                    "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                    "export": {"dtype": "float32", "engines": ["vllm"]},
+                    "heldout_acceptance": {"prompts": 0},
+                }
+            ),
+            use_ray=False,
+        )
     return run / "export" / "vllm"
 
 
@@ -85,11 +102,21 @@ def main() -> None:
         target = make_tiny_target(root / "target", num_layers=n, hidden_size=args.hidden)
         trained = conventions.default_aux_points("vllm", n)
         write_conversations(root / "conv.jsonl", n=args.conversations)
-        run_extract(ExtractConfig.model_validate({
-            "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")},
-            "output": {"uri": str(root / "ds")}, "capture": [*map(str, trained), "final:post_norm"],
-            "max_length": 256, "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 0}}),
-            progress=False, use_ray=False)
+        run_extract(
+            ExtractConfig.model_validate(
+                {
+                    "target": {"path": str(target)},
+                    "source": {"uri": str(root / "conv.jsonl")},
+                    "output": {"uri": str(root / "ds")},
+                    "capture": [*map(str, trained), "final:post_norm"],
+                    "max_length": 256,
+                    "engine": {"dtype": "float32", "device": "cpu"},
+                    "fingerprint": {"probe_samples": 0},
+                }
+            ),
+            progress=False,
+            use_ray=False,
+        )
         cfg = ProbeConfig.model_validate({"draft": "-", "target": {"path": str(target)}, "prompts": args.prompts})
         t0 = time.perf_counter()
         cap = capture_boundaries(target, probe_prompts(cfg))
@@ -100,20 +127,40 @@ def main() -> None:
             probe = run_probe(cfg.model_copy(update={"draft": str(draft)}), progress=False, capture=cap)
             search_s = time.perf_counter() - t0
             r = probe.report
-            rows.append({
-                "layers": n, "draft_epochs": epochs, "verdict": r.verdict,
-                "recovered_trained_set": r.best.points == trained and r.verdict == "inferred",
-                "best": r.best.boundaries, "runner_up": r.runner_up.boundaries,
-                "agreement_best": r.best.agreement, "margin": r.margin, "margin_se": r.margin_se,
-                "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1), "spread_over_median": r.spread,
-                "candidates": r.evaluated,
-                "capture_s": round(capture_s, 3), "search_s": round(search_s, 3),
-                "search_per_candidate_over_capture": round(search_s / r.evaluated / capture_s, 4),
-                "positions": r.positions, "prompts": r.prompts})
+            rows.append(
+                {
+                    "layers": n,
+                    "draft_epochs": epochs,
+                    "verdict": r.verdict,
+                    "recovered_trained_set": r.best.points == trained and r.verdict == "inferred",
+                    "best": r.best.boundaries,
+                    "runner_up": r.runner_up.boundaries,
+                    "agreement_best": r.best.agreement,
+                    "margin": r.margin,
+                    "margin_se": r.margin_se,
+                    "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1),
+                    "spread_over_median": r.spread,
+                    "candidates": r.evaluated,
+                    "capture_s": round(capture_s, 3),
+                    "search_s": round(search_s, 3),
+                    "search_per_candidate_over_capture": round(search_s / r.evaluated / capture_s, 4),
+                    "positions": r.positions,
+                    "prompts": r.prompts,
+                }
+            )
             print(rows[-1], flush=True)
-    save_result({"benchmark": "probe", "machine": platform.machine(), "cpus": os.cpu_count(),
-                 "hidden_size": args.hidden, "trained_on": "each depth's EAGLE-3 default (r_2, r_N//2, r_N-3)",
-                 "rows": rows}, "probe_tiny_cpu.json", args.out)
+    save_result(
+        {
+            "benchmark": "probe",
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "hidden_size": args.hidden,
+            "trained_on": "each depth's EAGLE-3 default (r_2, r_N//2, r_N-3)",
+            "rows": rows,
+        },
+        "probe_tiny_cpu.json",
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ def synthetic_batches(cfg: DraftConfig, n: int, seq: int, device, dtype) -> list
         ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g).to(device)
         p = torch.softmax(torch.randn(1, seq, cfg.draft_vocab_size, generator=g) * 3, -1).to(device)
         greedy = torch.randint(0, cfg.draft_vocab_size, (1, seq), generator=g).to(device)
-        tb = TargetBatch(p_draft=p, greedy=greedy, in_draft_vocab=torch.ones(1, seq, dtype=torch.bool, device=device),
-                         trained=torch.ones(1, seq, dtype=torch.bool, device=device))
+        tb = TargetBatch(
+            p_draft=p,
+            greedy=greedy,
+            in_draft_vocab=torch.ones(1, seq, dtype=torch.bool, device=device),
+            trained=torch.ones(1, seq, dtype=torch.bool, device=device),
+        )
         out.append((aux, ids, tb))
     return out
 
@@ -59,12 +63,14 @@ def make_model(cfg: DraftConfig, device, dtype) -> Eagle3Draft:
 
 def plain_step(model: Eagle3Draft, opt: torch.optim.Optimizer, ttt: int):
     """One plain-torch training step of the draft (the baseline DeepSpeed is measured against)."""
+
     def step(aux, ids, tb):
         out = model(aux, ids, tb, steps=ttt)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
+
     return step
 
 
@@ -77,8 +83,17 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
     import deepspeed
 
     h, inter, heads, kv, vocab, dvocab, seq = SHAPES[shape]
-    cfg = DraftConfig(hidden_size=h, target_hidden_size=h, num_aux=3, intermediate_size=inter, num_attention_heads=heads,
-                      num_key_value_heads=kv, head_dim=h // heads, vocab_size=vocab, draft_vocab_size=dvocab)
+    cfg = DraftConfig(
+        hidden_size=h,
+        target_hidden_size=h,
+        num_aux=3,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=h // heads,
+        vocab_size=vocab,
+        draft_vocab_size=dvocab,
+    )
     batches = synthetic_batches(cfg, 2, seq, device, dtype)
 
     def run(step_fn) -> float:
@@ -101,10 +116,18 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     model = make_model(cfg, device, torch.float32)
-    ds_cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.5, "zero_optimization": {"stage": 2},
-              "bf16": {"enabled": dtype == torch.bfloat16}, "steps_per_print": 10**9}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=1e-4), config=ds_cfg)
+    ds_cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4),
+        config=ds_cfg,
+    )
 
     def ds_step(aux, ids, tb):
         out = engine(aux, ids, tb, steps=ttt)
@@ -112,9 +135,17 @@ def bench_steps(shape: str, device: torch.device, dtype: torch.dtype, steps: int
         engine.step()
 
     ds_tps = run(ds_step)
-    return {"shape": shape, "device": str(device), "dtype": str(dtype).removeprefix("torch."), "seq_len": seq,
-            "ttt_steps": ttt, "trainable_params": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
-            "plain_torch_tok_s": plain_tps, "deepspeed_tok_s": ds_tps, "ratio_deepspeed_over_plain": ds_tps / plain_tps}
+    return {
+        "shape": shape,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "seq_len": seq,
+        "ttt_steps": ttt,
+        "trainable_params": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+        "plain_torch_tok_s": plain_tps,
+        "deepspeed_tok_s": ds_tps,
+        "ratio_deepspeed_over_plain": ds_tps / plain_tps,
+    }
 
 
 def bench_data_wait(steps: int) -> dict:
@@ -129,16 +160,42 @@ def bench_data_wait(steps: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="strata-bench-train-"))
     target = make_tiny_target(root / "target", num_layers=6, hidden_size=256)
     write_conversations(root / "conv.jsonl", n=400)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "max_length": 512, "engine": {"dtype": "float32", "device": "cpu"}}), progress=False, use_ray=False)
-    cfg = TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 2048, "batch_tokens": 2048, "max_steps": steps, "metrics_every": steps, "checkpoint": {"every": 10**6},
-        "num_workers": 1, "eval_fraction": 0.0, "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "resume": "none"})
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "max_length": 512,
+                "engine": {"dtype": "float32", "device": "cpu"},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
+    cfg = TrainConfig.model_validate(
+        {
+            "dataset": str(root / "ds"),
+            "target": {"path": str(target)},
+            "output": str(root / "run"),
+            "draft_vocab_size": 2048,
+            "batch_tokens": 2048,
+            "max_steps": steps,
+            "metrics_every": steps,
+            "checkpoint": {"every": 10**6},
+            "num_workers": 1,
+            "eval_fraction": 0.0,
+            "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+            "resume": "none",
+        }
+    )
     m = run_train(cfg, use_ray=False)["metrics"]["train"]
-    return {"steps": steps, "tokens_per_s": m["tokens_per_s"], "data_wait_fraction": m["data_wait_fraction"],
-            "compute_fraction": m["compute_fraction"]}
+    return {
+        "steps": steps,
+        "tokens_per_s": m["tokens_per_s"],
+        "data_wait_fraction": m["data_wait_fraction"],
+        "compute_fraction": m["compute_fraction"],
+    }
 
 
 def main() -> None:
@@ -152,8 +209,13 @@ def main() -> None:
     a = ap.parse_args()
     device = torch.device(a.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    result = {"benchmark": "train", "host": platform.node(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None}
+    result = {
+        "benchmark": "train",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
+    }
     result["step"] = bench_steps(a.shape, device, dtype, a.steps, a.ttt)
     print(json.dumps({"step": result["step"]}, indent=1))
     if not a.skip_data:

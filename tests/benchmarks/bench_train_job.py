@@ -49,21 +49,41 @@ def dataset(target: Path, work: Path, n: int) -> Path:
     from schemas.extract import ExtractConfig
 
     write_conversations(work / f"train-conversations-{n}.jsonl", n)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(work / f"train-conversations-{n}.jsonl")},
-        "output": {"uri": str(out)}, "engine": {"dtype": "bfloat16", "device": "cpu"},
-        "fingerprint": {"probe_samples": 0}}), progress=False, use_ray=False)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(work / f"train-conversations-{n}.jsonl")},
+                "output": {"uri": str(out)},
+                "engine": {"dtype": "bfloat16", "device": "cpu"},
+                "fingerprint": {"probe_samples": 0},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
     return out
 
 
 def train_config(target: Path, ds: Path, out: Path, cpus: int, steps: int, loading: str = "worker") -> dict:
     """One worker holding every CPU (with ray_data loading: all but the decode task's quarter)."""
     return {
-        "dataset": str(ds), "target": {"path": str(target)}, "output": str(out), "draft_vocab_size": 2048,
-        "batch_tokens": 2048, "epochs": 100, "max_steps": steps, "metrics_every": 4, "checkpoint": {"every": 10**6},
-        "eval_fraction": 0.0, "num_workers": 1, "data_loading": loading,
-        "cpus_per_worker": cpus - 0.25 if loading == "ray_data" else cpus, "resume": "none",
-        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "heldout_acceptance": {"prompts": 0},
+        "dataset": str(ds),
+        "target": {"path": str(target)},
+        "output": str(out),
+        "draft_vocab_size": 2048,
+        "batch_tokens": 2048,
+        "epochs": 100,
+        "max_steps": steps,
+        "metrics_every": 4,
+        "checkpoint": {"every": 10**6},
+        "eval_fraction": 0.0,
+        "num_workers": 1,
+        "data_loading": loading,
+        "cpus_per_worker": cpus - 0.25 if loading == "ray_data" else cpus,
+        "resume": "none",
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "heldout_acceptance": {"prompts": 0},
         "export": {"engines": []},
     }
 
@@ -72,12 +92,15 @@ def run_job(cfg: dict, work: Path) -> dict:
     wall = run_cli("train", cfg, work)
     windows = [json.loads(x) for x in (Path(cfg["output"]) / "metrics.jsonl").read_text().splitlines()]
     steady = windows[1:] or windows
-    return {"wall_s": wall, "steps": windows[-1]["step"],
-            "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
-            "first_window_tokens_per_s": windows[0]["tokens_per_s"],
-            "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
-            "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
-            "compute_fraction": statistics.median(w["compute_fraction"] for w in steady)}
+    return {
+        "wall_s": wall,
+        "steps": windows[-1]["step"],
+        "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
+        "first_window_tokens_per_s": windows[0]["tokens_per_s"],
+        "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
+        "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
+        "compute_fraction": statistics.median(w["compute_fraction"] for w in steady),
+    }
 
 
 class InProcess:
@@ -124,7 +147,9 @@ class InProcess:
         model = build_model(self.plan, cfg, torch.device("cpu"))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, o.warmup_steps, self.total, o.min_lr_ratio))
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: lr_lambda(s, o.warmup_steps, self.total, o.min_lr_ratio)
+        )
         target_head = TargetHead(cfg.target.path, needs_norm=self.plan.final_needs_norm)
         draft_ids = torch.nonzero(model.t2d).squeeze(-1)
 
@@ -161,8 +186,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", default=None, help="directory for the target and dataset (cached) and outputs")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--loadings", default="worker,ray_data",
-                    help="the job's data loadings to time, comma-separated (worker, ray_data)")
+    ap.add_argument(
+        "--loadings",
+        default="worker,ray_data",
+        help="the job's data loadings to time, comma-separated (worker, ray_data)",
+    )
     a = ap.parse_args()
     loadings = a.loadings.split(",")
     if not loadings or not set(loadings) <= {"worker", "ray_data"}:
@@ -188,30 +216,50 @@ def main() -> None:
             jobs.append(run_job(cfg(f"r{r}"), work))
         if "ray_data" in loadings:
             ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
-        print(f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}"
-              + "".join(f", {name} {runs[-1]['tokens_per_s']:.0f}" for name, runs in
-                        (("job", jobs), ("job with ray_data loading", ray_data_jobs)) if runs), flush=True)
+        print(
+            f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}"
+            + "".join(
+                f", {name} {runs[-1]['tokens_per_s']:.0f}"
+                for name, runs in (("job", jobs), ("job with ray_data loading", ray_data_jobs))
+                if runs
+            ),
+            flush=True,
+        )
     med = statistics.median
     timed = {name: runs for name, runs in (("job", jobs), ("job_ray_data_loading", ray_data_jobs)) if runs}
     result = {
-        "benchmark": "train_job", "host": platform.node(), "cpu_count": cpus, "shape": a.shape,
-        "conversations": a.conversations, "steps": a.steps, "tokens_per_step": local.tokens / len(local.batches),
-        "torch_threads": threads, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        "plain_tokens_per_s": spread(plain), "deepspeed_tokens_per_s": spread(ds_alone),
+        "benchmark": "train_job",
+        "host": platform.node(),
+        "cpu_count": cpus,
+        "shape": a.shape,
+        "conversations": a.conversations,
+        "steps": a.steps,
+        "tokens_per_step": local.tokens / len(local.batches),
+        "torch_threads": threads,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "plain_tokens_per_s": spread(plain),
+        "deepspeed_tokens_per_s": spread(ds_alone),
         **{f"{name}_tokens_per_s": spread([j["tokens_per_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_wall_s": spread([j["wall_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_windows": runs for name, runs in timed.items()},
         "ratios": {
             **{f"{name}_over_plain": med(j["tokens_per_s"] for j in runs) / med(plain) for name, runs in timed.items()},
             "deepspeed_over_plain": med(ds_alone) / med(plain),
-            **({"job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
-                # what a user pays for the whole run against the plain loop's compute for the same steps
-                "plain_compute_over_job_wall": (a.steps * local.tokens / len(local.batches) / med(plain))
-                / med(j["wall_s"] for j in jobs)} if jobs else {}),
+            **(
+                {
+                    "job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
+                    # what a user pays for the whole run against the plain loop's compute for the same steps
+                    "plain_compute_over_job_wall": (a.steps * local.tokens / len(local.batches) / med(plain))
+                    / med(j["wall_s"] for j in jobs),
+                }
+                if jobs
+                else {}
+            ),
         },
         "note": "job: python -m pipeline.cli train (Ray Train, 1 worker), steady state = median of "
-                "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "
-                "same torch threads; the job's wall includes imports, Ray start, vocab, verification, export off.",
+        "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "
+        "same torch threads; the job's wall includes imports, Ray start, vocab, verification, export off.",
     }
     save_result(result, f"train_job_{a.shape}_cpu.json", a.out)
 

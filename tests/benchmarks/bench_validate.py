@@ -35,29 +35,72 @@ def main() -> None:
     write_conversations(root / "conv.jsonl")
     probes = 16
     t0 = time.perf_counter()
-    m = run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "max_length": 512, "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": probes}}),
-        progress=False, use_ray=False)
+    m = run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "max_length": 512,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": probes},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
     extract_s = time.perf_counter() - t0
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"), "draft_vocab_size": 2048,
-        "ttt_steps": 3, "batch_tokens": 2048, "max_steps": 10, "num_workers": 1, "eval_fraction": 0.05,
-        "deepspeed": {"zero_stage": 2, "dtype": "float32"}, "export": {"dtype": "float32"}}), use_ray=False)
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds"),
+                "target": {"path": str(target)},
+                "output": str(root / "run"),
+                "draft_vocab_size": 2048,
+                "ttt_steps": 3,
+                "batch_tokens": 2048,
+                "max_steps": 10,
+                "num_workers": 1,
+                "eval_fraction": 0.05,
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32"},
+            }
+        ),
+        use_ray=False,
+    )
     times = []
     for _ in range(2):
         t0 = time.perf_counter()
-        r = run_validate(ValidateConfig.model_validate({
-            "artifact": str(root / "run/export/vllm"), "acceptance_prompts": 6,
-            "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(target)}}}))
+        r = run_validate(
+            ValidateConfig.model_validate(
+                {
+                    "artifact": str(root / "run/export/vllm"),
+                    "acceptance_prompts": 6,
+                    "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(target)}},
+                }
+            )
+        )
         times.append(time.perf_counter() - t0)
     result = {
-        "benchmark": "validate", "host": platform.node(), "cpu_count": os.cpu_count(),
-        "extraction": {"samples": m.totals.rows, "tokens": m.totals.tokens, "wall_s": extract_s,
-                       "fingerprint_s": m.fingerprints["seconds"], "probe_samples": probes,
-                       "fingerprint_fraction_of_extraction": m.fingerprints["seconds"] / extract_s},
-        "validation": {"probe_samples": probes, "acceptance_prompts": 6, "wall_s_best": min(times), "wall_s": times,
-                       "decision": r.decision, "reasons": r.reasons},
+        "benchmark": "validate",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "extraction": {
+            "samples": m.totals.rows,
+            "tokens": m.totals.tokens,
+            "wall_s": extract_s,
+            "fingerprint_s": m.fingerprints["seconds"],
+            "probe_samples": probes,
+            "fingerprint_fraction_of_extraction": m.fingerprints["seconds"] / extract_s,
+        },
+        "validation": {
+            "probe_samples": probes,
+            "acceptance_prompts": 6,
+            "wall_s_best": min(times),
+            "wall_s": times,
+            "decision": r.decision,
+            "reasons": r.reasons,
+        },
     }
     save_result(result, "validate_tiny_cpu.json")
 

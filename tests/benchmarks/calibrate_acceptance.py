@@ -58,16 +58,40 @@ def train_draft(name: str, root: Path) -> tuple[Path, Path, int]:
     n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     aux = default_aux_points("vllm", n)
     write_conversations(root / "conv.jsonl", n=240)
-    run_extract(ExtractConfig.model_validate({
-        "target": {"path": str(target)}, "source": {"uri": str(root / "conv.jsonl")}, "output": {"uri": str(root / "ds")},
-        "capture": [*(str(p) for p in aux), "final:post_norm"], "max_length": 256,
-        "engine": {"dtype": "float32", "device": "cpu"}, "fingerprint": {"probe_samples": 8}}),
-        progress=False, use_ray=False)
-    run_train(TrainConfig.model_validate({
-        "dataset": str(root / "ds"), "target": {"path": str(target)}, "output": str(root / "run"),
-        "draft_vocab_size": 2048, "ttt_steps": 3, "batch_tokens": 2048, "epochs": 6, "num_workers": 1,
-        "optim": {"lr": 1e-2, "warmup_steps": 10}, "deepspeed": {"zero_stage": 2, "dtype": "float32"},
-        "export": {"dtype": "float32", "engines": ["vllm"]}, "heldout_acceptance": {"prompts": 8}}), use_ray=False)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "capture": [*(str(p) for p in aux), "final:post_norm"],
+                "max_length": 256,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 8},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
+    run_train(
+        TrainConfig.model_validate(
+            {
+                "dataset": str(root / "ds"),
+                "target": {"path": str(target)},
+                "output": str(root / "run"),
+                "draft_vocab_size": 2048,
+                "ttt_steps": 3,
+                "batch_tokens": 2048,
+                "epochs": 6,
+                "num_workers": 1,
+                "optim": {"lr": 1e-2, "warmup_steps": 10},
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "export": {"dtype": "float32", "engines": ["vllm"]},
+                "heldout_acceptance": {"prompts": 8},
+            }
+        ),
+        use_ray=False,
+    )
     return target, root / "run" / "export" / "vllm", n
 
 
@@ -75,13 +99,25 @@ def case(art: Path, target: Path, dtype: str, prompts: int, new_tokens: int, dra
     serving = {"engine": "vllm", "replay": "hf", "dtype": dtype, "target": {"path": str(target)}}
     if draft_config:
         serving["draft_config"] = str(draft_config)
-    r = run_validate(ValidateConfig.model_validate({"artifact": str(art), "acceptance_prompts": prompts,
-                                                    "max_new_tokens": new_tokens, "serving": serving}))
+    r = run_validate(
+        ValidateConfig.model_validate(
+            {"artifact": str(art), "acceptance_prompts": prompts, "max_new_tokens": new_tokens, "serving": serving}
+        )
+    )
     a, vs = r.acceptance, r.acceptance.get("vs_heldout") or {}
-    row = {"dtype": dtype, "prompts": prompts, "max_new_tokens": new_tokens, "decision": r.decision,
-           "reasons": r.reasons, "measured": vs.get("measured"), "heldout": vs.get("heldout"), "se": vs.get("se"),
-           "gated": vs.get("gated"), "verify_steps": a.get("verify_steps"),
-           "predicted_teacher_forced": a.get("predicted_accepted_per_step")}
+    row = {
+        "dtype": dtype,
+        "prompts": prompts,
+        "max_new_tokens": new_tokens,
+        "decision": r.decision,
+        "reasons": r.reasons,
+        "measured": vs.get("measured"),
+        "heldout": vs.get("heldout"),
+        "se": vs.get("se"),
+        "gated": vs.get("gated"),
+        "verify_steps": a.get("verify_steps"),
+        "predicted_teacher_forced": a.get("predicted_accepted_per_step"),
+    }
     if vs.get("heldout"):
         row["b_max"] = (vs["measured"] + Z * vs["se"]) / vs["heldout"]
         row["ratio"] = vs["measured"] / vs["heldout"]
@@ -91,29 +127,43 @@ def case(art: Path, target: Path, dtype: str, prompts: int, new_tokens: int, dra
 
 
 def main() -> None:
-    result: dict = {"benchmark": "calibrate_acceptance", "host": platform.node(), "cpu_count": os.cpu_count(),
-                    "z": Z, "targets": {}}
+    result: dict = {
+        "benchmark": "calibrate_acceptance",
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "z": Z,
+        "targets": {},
+    }
     for name in TARGETS:
         t0 = time.perf_counter()
         root = Path(tempfile.mkdtemp(prefix="strata-calibrate-"))
         target, art, n = train_draft(name, root)
         manifest = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text())
         trained = manifest.aux_capture_points
-        shifted_cfg = draft_config_feeding(json.loads((art / "config.json").read_text()),
-                                           shifted(trained, 1, n), "vllm", n)
+        shifted_cfg = draft_config_feeding(
+            json.loads((art / "config.json").read_text()), shifted(trained, 1, n), "vllm", n
+        )
         (root / "shifted.json").write_text(json.dumps(shifted_cfg))
-        rows = [{"config": "correct", **case(art, target, dtype, p, t, None)}
-                for dtype in ("float32", "bfloat16") for p, t in PROMPT_SETS]
+        rows = [
+            {"config": "correct", **case(art, target, dtype, p, t, None)}
+            for dtype in ("float32", "bfloat16")
+            for p, t in PROMPT_SETS
+        ]
         rows.append({"config": "every slot shifted +1", **case(art, target, "float32", 6, 16, root / "shifted.json")})
-        result["targets"][name] = {"layers": n, "heldout_at_training": manifest.metrics.get("heldout_acceptance"),
-                                   "eval_acc_per_pos": (manifest.metrics.get("eval") or {}).get("acc_per_pos"),
-                                   "cases": rows, "seconds": round(time.perf_counter() - t0, 1)}
+        result["targets"][name] = {
+            "layers": n,
+            "heldout_at_training": manifest.metrics.get("heldout_acceptance"),
+            "eval_acc_per_pos": (manifest.metrics.get("eval") or {}).get("acc_per_pos"),
+            "cases": rows,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         print(json.dumps({name: rows}, indent=1))
     correct = [r for t in result["targets"].values() for r in t["cases"] if r["config"] == "correct"]
     b = [r["b_max"] for r in correct if r.get("b_max") is not None and r["gated"] is not False]
     tf = [r["ratio_to_teacher_forced"] for r in correct if r.get("ratio_to_teacher_forced") is not None]
     result["summary"] = {
-        "correct_cases": len(correct), "correct_blocked": sum(r["decision"] != "pass" for r in correct),
+        "correct_cases": len(correct),
+        "correct_blocked": sum(r["decision"] != "pass" for r in correct),
         "min_b_max_correct": min(b) if b else None,
         "suggested_bound": math.floor(min(b) * 0.8 * 20) / 20 if b else None,
         "default_bound": Tolerances().acceptance_vs_heldout,

@@ -22,10 +22,14 @@ cpu = Path(sys.argv[1]) / "csrc" / "cpu"
 path = cpu / "CMakeLists.txt"
 s = path.read_text()
 edits = [
-    ('if(CMAKE_SYSTEM_PROCESSOR MATCHES "aarch64|arm64")\n    add_compile_definitions(SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS)',
-     'if(TRUE)\n    add_compile_definitions(SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS)'),
-    ('if(MY_ARCH_DIR STREQUAL "x86_64")\n    add_compile_options(\n        -O3\n        -Wno-unknown-pragmas\n        -march=x86-64-v4',
-     'if(FALSE)\n    add_compile_options(\n        -O3\n        -Wno-unknown-pragmas\n        -march=x86-64-v4'),
+    (
+        'if(CMAKE_SYSTEM_PROCESSOR MATCHES "aarch64|arm64")\n    add_compile_definitions(SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS)',
+        "if(TRUE)\n    add_compile_definitions(SGLANG_CPU_ARM64_SKIP_X86_ONLY_OPS)",
+    ),
+    (
+        'if(MY_ARCH_DIR STREQUAL "x86_64")\n    add_compile_options(\n        -O3\n        -Wno-unknown-pragmas\n        -march=x86-64-v4',
+        "if(FALSE)\n    add_compile_options(\n        -O3\n        -Wno-unknown-pragmas\n        -march=x86-64-v4",
+    ),
 ]
 for old, new in edits:
     if s.count(old) != 1:
@@ -36,7 +40,9 @@ for name in ("extend.cpp", "decode.cpp", "flash_attn.cpp"):
     src = (cpu / name).read_text()
     calls = src.count("at::native::cpublas::brgemm(")
     if calls == 0 or '#include "common.h"' not in src:
-        sys.exit(f"patch_kernel.py: {cpu / name} has no brgemm call or no common.h include (another sgl-kernel version?)")
+        sys.exit(
+            f"patch_kernel.py: {cpu / name} has no brgemm call or no common.h include (another sgl-kernel version?)"
+        )
     src = src.replace('#include "common.h"', '#include "common.h"\n#include "strata_brgemm_vnni.h"', 1)
     (cpu / name).write_text(src.replace("at::native::cpublas::brgemm(", "strata_brgemm_vnni("))
     print(f"{name}: {calls} VNNI brgemm calls -> strata_brgemm_vnni")

@@ -46,8 +46,7 @@ from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
 
-def can_capture(point: CapturePoint, num_layers: int, family: str,
-                version: str = conventions.NEWEST) -> bool:
+def can_capture(point: CapturePoint, num_layers: int, family: str, version: str = conventions.NEWEST) -> bool:
     return conventions.native_id(point, "sglang", num_layers, family, sglang_release(version)) is not None
 
 
@@ -68,17 +67,23 @@ def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: in
         if v == 0:
             raise EngineError(f"SGLang reported spec_verify_ct = 0 for request {i}: speculative decoding did not run")
         if c != len(out) or not 0 <= 1 + v + a - c <= k:
-            raise EngineError(f"SGLang's counters for request {i} do not reconcile: {len(out)} tokens emitted, "
-                              f"completion_tokens {c}, 1 + spec_verify_ct {v} + spec_num_correct_drafts {a}")
+            raise EngineError(
+                f"SGLang's counters for request {i} do not reconcile: {len(out)} tokens emitted, "
+                f"completion_tokens {c}, 1 + spec_verify_ct {v} + spec_num_correct_drafts {a}"
+            )
         h = m.get("spec_correct_drafts_histogram") or m.get("spec_accept_histogram")
         if h is not None and (sum(h) != v or sum(j * x for j, x in enumerate(h)) != a or len(h) > k + 1):
-            raise EngineError(f"SGLang's histogram of accepted drafts for request {i} ({h}) does not add up to "
-                              f"{v} verify steps and {a} accepted drafts")
+            raise EngineError(
+                f"SGLang's histogram of accepted drafts for request {i} ({h}) does not add up to "
+                f"{v} verify steps and {a} accepted drafts"
+            )
         # accepted at position j (0-based): the steps that accepted more than j drafts
-        counts.append(PromptCounts(v, tuple(sum(h[j + 1:]) for j in range(k))) if h is not None else None)
+        counts.append(PromptCounts(v, tuple(sum(h[j + 1 :]) for j in range(k))) if h is not None else None)
     reported = [float(m["spec_accept_length"]) for m in meta_infos if "spec_accept_length" in m]
-    extra = {"emitted_tokens": sum(map(len, outputs)),
-             "sglang_spec_accept_length": sum(reported) / len(reported) if reported else None}
+    extra = {
+        "emitted_tokens": sum(map(len, outputs)),
+        "sglang_spec_accept_length": sum(reported) / len(reported) if reported else None,
+    }
     by = "sglang meta_info (spec_verify_ct, spec_num_correct_drafts, histogram)"
     if all(c is not None for c in counts):
         return from_prompts(by, k, counts, **extra)
@@ -94,8 +99,10 @@ def _sorted_rows(calls: list[FeedCall], length: int, width: int) -> torch.Tensor
             if p < length and p not in rows:
                 rows[p] = c.aux[j]
     if len(rows) != length or any(r.numel() != width for r in rows.values()):
-        raise EngineError(f"SGLang handed the capture draft {len(rows)} prefill rows of the {length} submitted "
-                          f"(width {next(iter(rows.values())).numel() if rows else 0}, expected {width})")
+        raise EngineError(
+            f"SGLang handed the capture draft {len(rows)} prefill rows of the {length} submitted "
+            f"(width {next(iter(rows.values())).numel() if rows else 0}, expected {width})"
+        )
     return torch.stack([rows[p] for p in range(length)])
 
 
@@ -107,9 +114,17 @@ class SGLangEngine(TargetEngine):
 
     name = "sglang"
 
-    def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
-                 family: str | None = None, batch_tokens: int = 16384, max_model_len: int = 2048,
-                 reference: TargetEngine | None = None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        points: list[CapturePoint],
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        family: str | None = None,
+        batch_tokens: int = 16384,
+        max_model_len: int = 2048,
+        reference: TargetEngine | None = None,
+    ):
         self.version = require_install().version
         self.reference = reference
         self.model_dir = str(model_dir)
@@ -132,11 +147,26 @@ class SGLangEngine(TargetEngine):
             raise EngineError(f"SGLang {self.version} ({self.family}) cannot capture {', '.join(cannot)}")
         self.order = sorted(self.points, key=lambda p: conventions.sort_key(p, self.num_layers))
         stub = Eagle3Draft(DraftConfig.from_target(tcfg, len(self.order), tcfg.get("vocab_size", 32000)))
-        export_draft(stub, self._dir / "capture-draft", "sglang", self.order, ident, family=self.family,
-                     dtype="bfloat16", release=release)
+        export_draft(
+            stub,
+            self._dir / "capture-draft",
+            "sglang",
+            self.order,
+            ident,
+            family=self.family,
+            dtype="bfloat16",
+            release=release,
+        )
         try:
-            self._capture = SGLangServer(model_dir, dtype, tp_size, draft_dir=self._dir / "capture-draft", k=1,
-                                         feed_dir=self._dir / "capture-feed", max_model_len=max_model_len).start()
+            self._capture = SGLangServer(
+                model_dir,
+                dtype,
+                tp_size,
+                draft_dir=self._dir / "capture-draft",
+                k=1,
+                feed_dir=self._dir / "capture-feed",
+                max_model_len=max_model_len,
+            ).start()
         except BaseException:
             self.close()
             raise
@@ -157,8 +187,10 @@ class SGLangEngine(TargetEngine):
     def _check_lengths(self, sequences: list[list[int]], new: int) -> None:
         too_long = [len(s) for s in sequences if len(s) + new > self.max_model_len]
         if too_long:
-            raise EngineError(f"sequence of {max(too_long)} tokens (+{new} generated) exceeds SGLang's context "
-                              f"length {self.max_model_len}; raise engine.max_model_len")
+            raise EngineError(
+                f"sequence of {max(too_long)} tokens (+{new} generated) exceeds SGLang's context "
+                f"length {self.max_model_len}; raise engine.max_model_len"
+            )
 
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
         """Per point, one [T, H] tensor per sequence, in input order: the rows SGLang handed the
@@ -181,7 +213,9 @@ class SGLangEngine(TargetEngine):
     def greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         self._check_lengths(prompts, max_new_tokens)
         if self._plain is None:
-            self._plain = SGLangServer(self.model_dir, self.dtype, self.tp_size, max_model_len=self.max_model_len).start()
+            self._plain = SGLangServer(
+                self.model_dir, self.dtype, self.tp_size, max_model_len=self.max_model_len
+            ).start()
         return [list(o["output_ids"]) for o in self._plain.generate(prompts, max_new_tokens)]
 
     def serve_draft(self, draft_dir, prompts, max_new_tokens, k, feed_points=None) -> ServeResult:
@@ -192,8 +226,15 @@ class SGLangEngine(TargetEngine):
         feed_dir = Path(tempfile.mkdtemp(prefix="feed-", dir=self._dir))
         outs, calls = [], []
         try:
-            with SGLangServer(self.model_dir, self.dtype, self.tp_size, draft_dir=draft_dir, k=k, feed_dir=feed_dir,
-                              max_model_len=self.max_model_len) as server:
+            with SGLangServer(
+                self.model_dir,
+                self.dtype,
+                self.tp_size,
+                draft_dir=draft_dir,
+                k=k,
+                feed_dir=feed_dir,
+                max_model_len=self.max_model_len,
+            ) as server:
                 for p in prompts:
                     outs += server.generate([p], max_new_tokens)
                     calls.append(take_calls(feed_dir))

@@ -75,9 +75,11 @@ def require_install() -> SGLangInstall:
     if inst := find_install():
         return inst
     where = os.environ.get(PYTHON_ENV) or f"{REPO / '.venv-sglang'} or this interpreter"
-    raise EngineUnavailable(f"SGLang is not installed ({where}): on a CPU machine run `bash infra/sglang/"
-                            "setup-sglang-cpu.sh .venv-sglang ../shared/vendor` (as .ci/setup does); on a GPU "
-                            f"cluster install sglang, or point ${PYTHON_ENV} at a Python that has it")
+    raise EngineUnavailable(
+        f"SGLang is not installed ({where}): on a CPU machine run `bash infra/sglang/"
+        "setup-sglang-cpu.sh .venv-sglang ../shared/vendor` (as .ci/setup does); on a GPU "
+        f"cluster install sglang, or point ${PYTHON_ENV} at a Python that has it"
+    )
 
 
 def on_cpu() -> bool:
@@ -89,25 +91,72 @@ def on_cpu() -> bool:
 # What SGLang 0.5.18 needs on a CPU without AMX: per-phase intel_amx kernels (they run on AVX512-BF16;
 # attention_backend=intel_amx is rewritten to torch_native without AMX, which cannot run EAGLE),
 # no CUDA graphs, a small static memory pool.
-CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--prefill-attention-backend", "intel_amx",
-             "--decode-attention-backend", "intel_amx", "--disable-cuda-graph", "--mem-fraction-static", "0.3",
-             "--max-total-tokens", "8192"]
+CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--prefill-attention-backend",
+    "intel_amx",
+    "--decode-attention-backend",
+    "intel_amx",
+    "--disable-cuda-graph",
+    "--mem-fraction-static",
+    "0.3",
+    "--max-total-tokens",
+    "8192",
+]
 CPU_DRAFT_FLAGS = ["--speculative-draft-attention-backend", "intel_amx"]
 
 
-def server_args(target_dir: str | Path, port: int, dtype: str, tp_size: int = 1, draft_dir: str | Path | None = None,
-                k: int = 1, cpu: bool = True, max_model_len: int = 2048) -> list[str]:
+def server_args(
+    target_dir: str | Path,
+    port: int,
+    dtype: str,
+    tp_size: int = 1,
+    draft_dir: str | Path | None = None,
+    k: int = 1,
+    cpu: bool = True,
+    max_model_len: int = 2048,
+) -> list[str]:
     """``sglang.launch_server`` arguments: greedy, deterministic, no prefix reuse (a cached prefix
     must not stand in for a capture), token ids in and out."""
-    args = ["--model-path", str(target_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-            "--tp-size", str(tp_size), "--skip-tokenizer-init", "--disable-radix-cache", "--random-seed", "0",
-            "--context-length", str(max_model_len), "--skip-server-warmup", "--log-level", "warning",
-            # an idle scheduler otherwise spins on its core: a validation keeps several servers up
-            "--sleep-on-idle"]
+    args = [
+        "--model-path",
+        str(target_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--tp-size",
+        str(tp_size),
+        "--skip-tokenizer-init",
+        "--disable-radix-cache",
+        "--random-seed",
+        "0",
+        "--context-length",
+        str(max_model_len),
+        "--skip-server-warmup",
+        "--log-level",
+        "warning",
+        # an idle scheduler otherwise spins on its core: a validation keeps several servers up
+        "--sleep-on-idle",
+    ]
     if draft_dir is not None:
-        args += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-                 "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
-                 "--speculative-num-draft-tokens", str(k + 1)]
+        args += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            str(draft_dir),
+            "--speculative-num-steps",
+            str(k),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(k + 1),
+        ]
     if cpu:
         args += CPU_FLAGS + (CPU_DRAFT_FLAGS if draft_dir is not None else [])
     return args
@@ -130,13 +179,22 @@ class SGLangServer:
     ``feed_dir``: load Strata's recorder draft class, which writes the draft's fc inputs there.
     """
 
-    def __init__(self, target_dir: str | Path, dtype: str = "bfloat16", tp_size: int = 1,
-                 draft_dir: str | Path | None = None, k: int = 1, feed_dir: str | Path | None = None, max_model_len: int = 2048):
+    def __init__(
+        self,
+        target_dir: str | Path,
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        draft_dir: str | Path | None = None,
+        k: int = 1,
+        feed_dir: str | Path | None = None,
+        max_model_len: int = 2048,
+    ):
         self.install = require_install()
         self.cpu = on_cpu()
         if self.cpu and dtype != "bfloat16":
-            raise EngineError(f"SGLang on CPU runs bfloat16 only (its CPU attention kernels have no {dtype}): "
-                              "set dtype: bfloat16")
+            raise EngineError(
+                f"SGLang on CPU runs bfloat16 only (its CPU attention kernels have no {dtype}): set dtype: bfloat16"
+            )
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = server_args(target_dir, self.port, dtype, tp_size, draft_dir, k, self.cpu, max_model_len)
@@ -166,17 +224,23 @@ class SGLangServer:
 
     def start(self) -> SGLangServer:
         cmd = [self.install.python, "-m", "sglang.launch_server", *self.args]
-        log.info("starting SGLang %s server on 127.0.0.1:%d (%s)", self.install.version, self.port,
-                 " ".join(a for a in self.args if a.startswith("--speculative-algorithm")) or "target only")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env(),
-                                     start_new_session=True, cwd=str(REPO))
+        log.info(
+            "starting SGLang %s server on 127.0.0.1:%d (%s)",
+            self.install.version,
+            self.port,
+            " ".join(a for a in self.args if a.startswith("--speculative-algorithm")) or "target only",
+        )
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True, cwd=str(REPO)
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if (code := self.proc.poll()) is not None:
                 tail = self.log_tail()
                 self.close()
-                raise EngineError(f"SGLang's server exited with code {code} while starting "
-                                  f"(log {self.log_path}):\n{tail}")
+                raise EngineError(
+                    f"SGLang's server exited with code {code} while starting (log {self.log_path}):\n{tail}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/model_info", timeout=5) as r:
                     if r.status == 200:
@@ -185,23 +249,30 @@ class SGLangServer:
                 pass
             time.sleep(0.5)
         self.close()
-        raise EngineError(f"SGLang's server did not answer within {START_TIMEOUT_S:.0f} s "
-                          f"(STRATA_SGLANG_START_TIMEOUT_S; log {self.log_path}):\n{self.log_tail()}")
+        raise EngineError(
+            f"SGLang's server did not answer within {START_TIMEOUT_S:.0f} s "
+            f"(STRATA_SGLANG_START_TIMEOUT_S; log {self.log_path}):\n{self.log_tail()}"
+        )
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, timeout_s: float = 600) -> list[dict]:
         """Greedy completions of token-id prompts, one response dict per prompt (``output_ids``,
         ``meta_info``)."""
-        body = {"input_ids": [list(map(int, p)) for p in prompts],
-                "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)}}
-        req = urllib.request.Request(self.url + "/generate", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        body = {
+            "input_ids": [list(map(int, p)) for p in prompts],
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": int(max_new_tokens)},
+        }
+        req = urllib.request.Request(
+            self.url + "/generate", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 out = json.loads(r.read())
         except urllib.error.HTTPError as e:
             raise EngineError(f"SGLang's /generate answered {e.code}: {e.read()[:500]!r}") from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise EngineError(f"SGLang's server stopped answering ({e}); log {self.log_path}:\n{self.log_tail()}") from None
+            raise EngineError(
+                f"SGLang's server stopped answering ({e}); log {self.log_path}:\n{self.log_tail()}"
+            ) from None
         return out if isinstance(out, list) else [out]
 
     def close(self) -> None:

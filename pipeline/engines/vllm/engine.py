@@ -47,8 +47,12 @@ log = logging.getLogger(__name__)
 
 CONNECTOR = "StrataHiddenStatesConnector"
 CONNECTOR_MODULE = "pipeline.engines.vllm.connector"
-SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+SPEC_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+)
 
 
 def _target_shape(model_dir: str | Path) -> tuple[int, int]:
@@ -72,14 +76,30 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
-    log.info("starting vLLM %s for %s (%s, tp=%d)%s", vllm_version(), model_dir, dtype, tp_size,
-             f" with {extra['speculative_config'].get('method')}" if "speculative_config" in extra else "")
+    log.info(
+        "starting vLLM %s for %s (%s, tp=%d)%s",
+        vllm_version(),
+        model_dir,
+        dtype,
+        tp_size,
+        f" with {extra['speculative_config'].get('method')}" if "speculative_config" in extra else "",
+    )
     # TP workers run as local processes on the GPUs Ray gave this actor (ray.gpus_per_actor =
     # tp_size): vLLM must not try to schedule them through Ray from inside a Ray actor.
     parallel = {"distributed_executor_backend": "mp"} if tp_size > 1 else {}
     global _starts
-    llm = LLM(model=str(model_dir), dtype=dtype, tensor_parallel_size=tp_size, max_model_len=max_model_len,
-              enforce_eager=on_cpu, enable_prefix_caching=False, seed=0, disable_log_stats=False, **parallel, **extra)
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        tensor_parallel_size=tp_size,
+        max_model_len=max_model_len,
+        enforce_eager=on_cpu,
+        enable_prefix_caching=False,
+        seed=0,
+        disable_log_stats=False,
+        **parallel,
+        **extra,
+    )
     _starts += 1
     return llm
 
@@ -113,8 +133,16 @@ class VLLMEngine(TargetEngine):
 
     name = "vllm"
 
-    def __init__(self, model_dir: str | Path, points: list[CapturePoint], dtype: str = "bfloat16", tp_size: int = 1,
-                 max_model_len: int = 4096, batch_tokens: int = 16384, kv_cache_gib: float = 1.0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        points: list[CapturePoint],
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        max_model_len: int = 4096,
+        batch_tokens: int = 16384,
+        kv_cache_gib: float = 1.0,
+    ):
         self.version = vllm_version()
         self.model_dir = str(model_dir)
         self.dtype = dtype
@@ -129,12 +157,22 @@ class VLLMEngine(TargetEngine):
             raise EngineError(f"vLLM cannot capture the configured points: {e}") from None
         self._dir = tempfile.mkdtemp(prefix="strata-vllm-hs-")
         self.llm = _start_llm(
-            model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
-            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                "draft_model_config": {"hf_config": {conventions.AUX_KEY: self.ids}}},
-            kv_transfer_config={"kv_connector": CONNECTOR, "kv_role": "kv_producer",
-                                "kv_connector_module_path": CONNECTOR_MODULE,
-                                "kv_connector_extra_config": {"shared_storage_path": self._dir}},
+            model_dir,
+            dtype,
+            tp_size,
+            max_model_len,
+            kv_cache_gib,
+            speculative_config={
+                "method": "extract_hidden_states",
+                "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {conventions.AUX_KEY: self.ids}},
+            },
+            kv_transfer_config={
+                "kv_connector": CONNECTOR,
+                "kv_role": "kv_producer",
+                "kv_connector_module_path": CONNECTOR_MODULE,
+                "kv_connector_extra_config": {"shared_storage_path": self._dir},
+            },
         )
 
     def engine_ref(self, point: CapturePoint) -> EngineRef:
@@ -148,8 +186,10 @@ class VLLMEngine(TargetEngine):
 
         too_long = [len(s) for s in sequences if len(s) + max_tokens > self.max_model_len]
         if too_long:
-            raise EngineError(f"sequence of {max(too_long)} tokens (+{max_tokens} generated) exceeds the engine's "
-                              f"max_model_len {self.max_model_len}; raise engine.max_model_len")
+            raise EngineError(
+                f"sequence of {max(too_long)} tokens (+{max_tokens} generated) exceeds the engine's "
+                f"max_model_len {self.max_model_len}; raise engine.max_model_len"
+            )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         return self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
 
@@ -171,8 +211,10 @@ class VLLMEngine(TargetEngine):
         if ids != list(seq):
             raise EngineError(f"vLLM captured {len(ids)} tokens that are not the {len(seq)} submitted")
         if tuple(states.shape) != (len(seq), len(self.ids), self.hidden_size):
-            raise EngineError(f"vLLM captured shape {tuple(states.shape)}, expected "
-                              f"{(len(seq), len(self.ids), self.hidden_size)} for ids {self.ids}")
+            raise EngineError(
+                f"vLLM captured shape {tuple(states.shape)}, expected "
+                f"{(len(seq), len(self.ids), self.hidden_size)} for ids {self.ids}"
+            )
         return states
 
     def capture_tensors(self, sequences: list[list[int]]) -> dict[str, list[torch.Tensor]]:
@@ -196,8 +238,15 @@ class VLLMEngine(TargetEngine):
         """Serve through vLLM's own EAGLE-3 with the draft's config as written; vLLM's counters
         and, per prompt, what its draft's fc received (``feed_points`` is ignored: vLLM reads
         the draft config by its own rules)."""
-        eng = shared("eagle3", self.model_dir, str(draft_dir), k, dtype=self.dtype, tp_size=self.tp_size,
-                     max_model_len=self.max_model_len)
+        eng = shared(
+            "eagle3",
+            self.model_dir,
+            str(draft_dir),
+            k,
+            dtype=self.dtype,
+            tp_size=self.tp_size,
+            max_model_len=self.max_model_len,
+        )
         tokens, stats, calls = eng.generate_recording(prompts, max_new_tokens)
         return ServeResult(tokens, self._acceptance(k, stats, tokens), calls)
 
@@ -205,14 +254,21 @@ class VLLMEngine(TargetEngine):
         """vLLM's counters per prompt, as ``pipeline.acceptance`` defines acceptance."""
         for i, (st, out) in enumerate(zip(stats, outputs, strict=True)):
             if len(out) > 1 and st.num_drafts == 0:  # every token after the prefill's is a verify step's
-                raise EngineError(f"vLLM's spec-decode counters did not move for prompt {i} although it decoded "
-                                  f"{len(out)} tokens with a draft: they are not this engine's")
+                raise EngineError(
+                    f"vLLM's spec-decode counters did not move for prompt {i} although it decoded "
+                    f"{len(out)} tokens with a draft: they are not this engine's"
+                )
             if sum(st.accepted_per_pos) != st.num_accepted_tokens:
-                raise EngineError(f"vLLM's spec-decode counters for prompt {i} do not reconcile: "
-                                  f"{st.num_accepted_tokens} accepted tokens, per position {st.accepted_per_pos}")
-        return from_prompts(f"vllm {self.version} spec-decode counters", k,
-                            [PromptCounts(st.num_drafts, tuple(st.accepted_per_pos)) for st in stats],
-                            draft_tokens=sum(st.num_draft_tokens for st in stats))
+                raise EngineError(
+                    f"vLLM's spec-decode counters for prompt {i} do not reconcile: "
+                    f"{st.num_accepted_tokens} accepted tokens, per position {st.accepted_per_pos}"
+                )
+        return from_prompts(
+            f"vllm {self.version} spec-decode counters",
+            k,
+            [PromptCounts(st.num_drafts, tuple(st.accepted_per_pos)) for st in stats],
+            draft_tokens=sum(st.num_draft_tokens for st in stats),
+        )
 
     def timed_decode(self, draft_dir, prompts, max_new_tokens, k) -> DecodeTiming:
         """Timed through a vLLM engine without the capture connector (it would slow the baseline):
@@ -220,13 +276,17 @@ class VLLMEngine(TargetEngine):
         prompt decodes until the end of its turn (or ``max_new_tokens``), as served; only
         ``LLM.generate`` is timed, and the spec-decode counters are read between prompts."""
         kw = {"dtype": self.dtype, "tp_size": self.tp_size, "max_model_len": self.max_model_len}
-        eng = shared("plain", self.model_dir, **kw) if draft_dir is None else \
-            shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
+        eng = (
+            shared("plain", self.model_dir, **kw)
+            if draft_dir is None
+            else shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
+        )
         eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
         counters = dict if draft_dir is None else eng.spec_metrics  # a plain engine has none to read
         marks = [counters()]
-        outs, prefill, total = time_decode(eng.generate_tokens, prompts, max_new_tokens,
-                                              after_each=lambda: marks.append(counters()))
+        outs, prefill, total = time_decode(
+            eng.generate_tokens, prompts, max_new_tokens, after_each=lambda: marks.append(counters())
+        )
         if draft_dir is None:
             return DecodeTiming(outs, prefill, total, None)
         stats = [spec_stats(a, b, k) for a, b in zip(marks, marks[1:], strict=False)]
@@ -266,16 +326,25 @@ def spec_stats(before: dict, after: dict, k: int) -> SpecDecodeStats:
 
     per_b = list(before.get(SPEC_METRICS[3], [])) or [0] * k
     per_a = list(after.get(SPEC_METRICS[3], [])) or [0] * k
-    return SpecDecodeStats(num_drafts=delta(SPEC_METRICS[0]), num_draft_tokens=delta(SPEC_METRICS[1]),
-                           num_accepted_tokens=delta(SPEC_METRICS[2]),
-                           accepted_per_pos=[int(a) - int(b) for a, b in zip(per_a, per_b, strict=True)])
+    return SpecDecodeStats(
+        num_drafts=delta(SPEC_METRICS[0]),
+        num_draft_tokens=delta(SPEC_METRICS[1]),
+        num_accepted_tokens=delta(SPEC_METRICS[2]),
+        accepted_per_pos=[int(a) - int(b) for a, b in zip(per_a, per_b, strict=True)],
+    )
 
 
 class VLLMPlain:
     """The target alone, as a deployment without speculation runs it (no capture connector)."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "bfloat16", tp_size: int = 1, max_model_len: int = 4096,
-                 kv_cache_gib: float = 1.0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+    ):
         self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], None]:
@@ -285,15 +354,19 @@ class VLLMPlain:
         with self._refusals("decode with"):
             return _greedy(self.llm, prompts, max_new_tokens)
 
-    def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float,
-               seeds: list[int]) -> list[list[int]]:
+    def sample(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seeds: list[int]
+    ) -> list[list[int]]:
         """Greedy at temperature 0; else sampled, each prompt with its own seed."""
         if temperature == 0:
             return self.generate_tokens(prompts, max_new_tokens)
         from vllm import SamplingParams
 
-        return _generate(self.llm, prompts, [SamplingParams(max_tokens=max_new_tokens, temperature=temperature,
-                                                            top_p=top_p, seed=s) for s in seeds])
+        return _generate(
+            self.llm,
+            prompts,
+            [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s) for s in seeds],
+        )
 
     def close(self) -> None:
         if getattr(self, "llm", None) is not None:
@@ -309,16 +382,29 @@ class VLLMEagle3:
     anything about how vLLM reads the draft's config.
     """
 
-    def __init__(self, model_dir: str | Path, draft_dir: str | Path, k: int, dtype: str = "bfloat16",
-                 tp_size: int = 1, max_model_len: int = 4096, kv_cache_gib: float = 1.0):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        draft_dir: str | Path,
+        k: int,
+        dtype: str = "bfloat16",
+        tp_size: int = 1,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+    ):
         self.k = k
         self.max_model_len = max_model_len
         self.draft_dir = str(draft_dir)
         with self._refusals("start EAGLE-3 with"):
-            self.llm = _start_llm(model_dir, dtype, tp_size, max_model_len, kv_cache_gib,
-                                  speculative_config={"method": "eagle3", "model": str(draft_dir),
-                                                      "num_speculative_tokens": k},
-                                  worker_extension_cls=EXTENSION)
+            self.llm = _start_llm(
+                model_dir,
+                dtype,
+                tp_size,
+                max_model_len,
+                kv_cache_gib,
+                speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": k},
+                worker_extension_cls=EXTENSION,
+            )
         self.start = _starts
 
     @contextmanager
@@ -331,8 +417,10 @@ class VLLMEagle3:
         except (EngineError, EngineUnavailable):
             raise
         except Exception as e:
-            raise EngineError(f"vLLM {vllm_version()} could not {doing} the draft {self.draft_dir} as configured: "
-                              f"{type(e).__name__}: {str(e)[:300]}") from e
+            raise EngineError(
+                f"vLLM {vllm_version()} could not {doing} the draft {self.draft_dir} as configured: "
+                f"{type(e).__name__}: {str(e)[:300]}"
+            ) from e
 
     @property
     def counters_readable(self) -> bool:
@@ -341,9 +429,11 @@ class VLLMEagle3:
 
     def spec_metrics(self) -> dict[str, list[int] | int]:
         if not self.counters_readable:
-            raise EngineError("this vLLM EAGLE-3 engine's spec-decode counters are no longer readable: another "
-                              "vLLM engine started in this process since (vLLM keeps only the newest engine's "
-                              "metrics); take the engine through pipeline.engines.vllm.engine.shared(), which restarts it")
+            raise EngineError(
+                "this vLLM EAGLE-3 engine's spec-decode counters are no longer readable: another "
+                "vLLM engine started in this process since (vLLM keeps only the newest engine's "
+                "metrics); take the engine through pipeline.engines.vllm.engine.shared(), which restarts it"
+            )
         return read_spec_metrics(self.llm)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], SpecDecodeStats]:
@@ -355,8 +445,9 @@ class VLLMEagle3:
         with self._refusals("decode with"):
             return _greedy(self.llm, prompts, max_new_tokens)
 
-    def generate_recording(self, prompts: list[list[int]], max_new_tokens: int
-                           ) -> tuple[list[list[int]], list[SpecDecodeStats], list[list]]:
+    def generate_recording(
+        self, prompts: list[list[int]], max_new_tokens: int
+    ) -> tuple[list[list[int]], list[SpecDecodeStats], list[list]]:
         """Like :meth:`generate`, one prompt at a time: each prompt's tokens, counters and
         recorded draft inputs."""
         feed_dir = tempfile.mkdtemp(prefix="strata-vllm-feed-")
@@ -393,8 +484,11 @@ def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
     """
     key = (kind, repr(args), repr(sorted(kwargs.items())))
     if key in _POOL and kind == "eagle3" and not _POOL[key].counters_readable:
-        log.info("restarting the vLLM EAGLE-3 engine for %s: another engine started since, and vLLM reads only "
-                 "the newest engine's counters", args[1] if len(args) > 1 else args)
+        log.info(
+            "restarting the vLLM EAGLE-3 engine for %s: another engine started since, and vLLM reads only "
+            "the newest engine's counters",
+            args[1] if len(args) > 1 else args,
+        )
         _POOL.pop(key).close()
     if key in _POOL:
         _POOL[key] = _POOL.pop(key)  # most recently used last

@@ -60,5 +60,7 @@ def _write_call(out: Path, index: int, kwargs: dict) -> None:
     try:
         ids, pos, hs = kwargs["target_token_ids"], kwargs["target_positions"], kwargs["target_hidden_states"]
     except KeyError as e:
-        raise RuntimeError(f"vLLM's drafter.propose no longer takes {e}; update pipeline/engines/vllm/feed.py") from None
+        raise RuntimeError(
+            f"vLLM's drafter.propose no longer takes {e}; update pipeline/engines/vllm/feed.py"
+        ) from None
     write_call(out, index, ids, pos, hs, token_offset=0)

@@ -32,8 +32,9 @@ class LlamaForCausalLMEagle3(_SGLangEagle3):
             hidden = self.config.hidden_size
 
             def record(_module, args, kwargs):
-                input_ids, positions, forward_batch = (list(args) + [kwargs.get("input_ids"), kwargs.get("positions"),
-                                                                     kwargs.get("forward_batch")])[:3]
+                input_ids, positions, forward_batch = (
+                    list(args) + [kwargs.get("input_ids"), kwargs.get("positions"), kwargs.get("forward_batch")]
+                )[:3]
                 aux = getattr(getattr(forward_batch, "spec_info", None), "hidden_states", None)
                 if aux is not None and aux.shape[-1] != hidden and aux.shape[0] == input_ids.shape[0]:
                     write_call(Path(out), next(calls), input_ids, positions, aux, token_offset=1)
