@@ -212,7 +212,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from pipeline.validate.job import ValidationInputError, run_validate
+    from pipeline.validate.case import ValidationInputError
+    from pipeline.validate.job import run_validate
     from schemas.config import load_config
     from schemas.validation import ValidateConfig
 

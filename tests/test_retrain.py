@@ -204,7 +204,7 @@ def _create_channel_like_first_export(cfg: RetrainConfig, reg: Registry, target)
     from pipeline.draft.export import engine_config
     from pipeline.draft.model import DraftConfig
     from pipeline.identity import target_identity
-    from pipeline.validate.job import deployment
+    from pipeline.validate.case import deployment
     from schemas.capture import parse_points
 
     ident = target_identity(target)

@@ -197,7 +197,8 @@ class Target:
         )
 
     def validate(self, ids=...):
-        from pipeline.validate.job import decide, load_case
+        from pipeline.validate.case import load_case
+        from pipeline.validate.decide import decide
 
         return decide(load_case(self.cfg(ids)), self.engine)
 
@@ -349,7 +350,8 @@ def test_without_a_rule_for_the_installed_release_the_measurement_decides(llama,
     with one note saying how to derive the rule."""
     from pipeline.conventions import releases
     from pipeline.engines.hf import HFEngine
-    from pipeline.validate.job import decide, load_case
+    from pipeline.validate.case import load_case
+    from pipeline.validate.decide import decide
     from pipeline.validate.replay import open_replay_engine
 
     monkeypatch.setattr(

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from pipeline.validate.job import ValidationInputError, run_validate
+from pipeline.validate.case import ValidationInputError
+from pipeline.validate.job import run_validate
 from schemas.validation import ValidateConfig
 
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"

@@ -13,7 +13,8 @@ import torch
 from pipeline.extract.job import run_extract
 from pipeline.fingerprint import rel_l2
 from pipeline.store.reader import DatasetReader
-from pipeline.validate.job import ValidationInputError, run_validate
+from pipeline.validate.case import ValidationInputError
+from pipeline.validate.job import run_validate
 from schemas.capture import CapturePoint
 from schemas.config import ConfigError, validate_config
 from schemas.extract import ExtractConfig

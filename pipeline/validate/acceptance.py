@@ -92,16 +92,18 @@ def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dic
     }
 
 
-def reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
-    """The acceptance check: floor, held-out comparison, losslessness (at float32)."""
+def check(cfg: ValidateConfig, accept: dict) -> tuple[dict, list[str]]:
+    """The acceptance check -- floor, held-out comparison, losslessness (gated at float32) --
+    as a pure function: (what it found, to add to the report's acceptance section; reasons)."""
+    found: dict = {}
     out: list[str] = []
     if "mean_acceptance_length" not in accept:
-        return out
+        return found, out
     if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
         out.append(
             f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}"
         )
-    vs = accept["vs_heldout"] = versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
+    vs = found["vs_heldout"] = versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
     if vs.get("low"):
         out.append(
             f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
@@ -114,11 +116,11 @@ def reasons(cfg: ValidateConfig, accept: dict) -> list[str]:
     elif not accept["lossless"]:
         # Verifying k+1 tokens in one forward rounds differently from one token at a time
         # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
-        accept["lossless_note"] = (
+        found["lossless_note"] = (
             f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
             "16-bit verification can flip near-ties; gated at float32 only"
         )
-    return out
+    return found, out
 
 
 def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> dict:

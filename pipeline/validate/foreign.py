@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 def import_for_validation(cfg: ValidateConfig) -> Path:
     """A draft directory without a Strata manifest, probed and adopted into a temporary artifact
     (removed at exit); ValidationInputError when its trained layers cannot be inferred."""
-    from pipeline.validate.job import ValidationInputError
+    from pipeline.validate.case import ValidationInputError
 
     art = Path(cfg.artifact)
     log.info("%s has no %s: probing which layers it was trained on", art, ARTIFACT_MANIFEST)
