@@ -291,6 +291,7 @@ def test_refuses_mixed_capture_points_naming_the_shard(tiny_target, dataset, tmp
 
     blob = victim.read_bytes()
     m["shards"][0].update(bytes=len(blob), sha256=hashlib.sha256(blob).hexdigest())
+    m["totals"]["bytes"] = sum(s["bytes"] for s in m["shards"])  # a consistent forgery: the totals agree
     (ds / "manifest.json").write_text(json.dumps(m))
     assert pq.read_schema(victim).names != pq.read_schema(sorted((ds / "shards").glob("*.parquet"))[1]).names
     with pytest.raises(ProvenanceMismatch, match=f"shard shards/{victim.name} .*mixes capture points"):

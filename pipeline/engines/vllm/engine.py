@@ -353,8 +353,7 @@ class VLLMPlain:
         return self.generate_tokens(prompts, max_new_tokens), None
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        with self._refusals("decode with"):
-            return _greedy(self.llm, prompts, max_new_tokens)
+        return _greedy(self.llm, prompts, max_new_tokens)
 
     def sample(
         self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seeds: list[int]
