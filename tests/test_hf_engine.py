@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline import packing
+from pipeline.engines import packing
 from pipeline.engines.hf import HFEngine
 from pipeline.store.encoding import bits_to_torch, join_planes
 from schemas.capture import CapturePoint as C
