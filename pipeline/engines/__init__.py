@@ -8,13 +8,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.engines.refs import engine_ref, installed_version, same_release
-from schemas.extract import ExtractConfig
-
 if TYPE_CHECKING:
     from pipeline.engines.base import TargetEngine
+    from schemas.extract import ExtractConfig
 
 __all__ = ["engine_ref", "installed_version", "open_engine", "same_release"]
+_REFS = ("engine_ref", "installed_version", "same_release")
+
+
+def __getattr__(name: str):
+    """The provenance helpers, imported on first use: importing ``pipeline.engines.packing`` (the
+    GPU benchmark, on a machine with torch and transformers only) must not pull in pydantic."""
+    if name in _REFS:
+        from pipeline.engines import refs
+
+        return getattr(refs, name)
+    raise AttributeError(f"module 'pipeline.engines' has no attribute {name!r}")
 
 
 def open_engine(cfg: ExtractConfig) -> TargetEngine:

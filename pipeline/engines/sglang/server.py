@@ -33,7 +33,7 @@ from pipeline.engines.sglang.models import FEED_DIR_ENV
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PYTHON_ENV = "STRATA_SGLANG_PYTHON"
 RECORDER_PACKAGE = "pipeline.engines.sglang.models"
 START_TIMEOUT_S = float(os.environ.get("STRATA_SGLANG_START_TIMEOUT_S", "600"))
