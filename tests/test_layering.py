@@ -5,8 +5,9 @@ first violation, naming the file and line.
 - ``jobs/`` holds thin entrypoints that hand their arguments to the CLI.
 - The packages of ``pipeline`` import each other without cycles, counting imports inside
   functions; a function-level import is kept only where it defers an optional engine
-  (vLLM, SGLang), a module that loads torch (so a job's driver process stays light), or keeps
-  the CLI's startup light (``cli.py``, ``demo/story.py``).
+  (vLLM, SGLang), a module that loads torch (so a job's driver process stays light), keeps
+  the CLI's startup light (``cli.py``, ``demo/story.py``), or keeps ``pipeline.engines`` free of
+  pydantic for the GPU benchmark's torch-only machine (``engines/__init__.py``).
 - The extraction job's driver loads neither torch nor transformers: its capture actors do.
 - Integer layer-id arithmetic lives only in ``pipeline/conventions``, in ``schemas/`` too; ``n``
   and ``N`` name a layer count there, so nothing else outside it is called that.
@@ -20,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo/story.py"}
+LAZY_ENTRYPOINTS = {"pipeline/cli.py", "pipeline/demo/story.py", "pipeline/engines/__init__.py"}
 OPTIONAL_ENGINE_MODULES = {"pipeline.engines.vllm.engine", "pipeline.engines.sglang.engine"}
 LAYER_NAMES = re.compile(r"num_layers|num_hidden_layers|layer_ids?$|^layer$|boundary|^[nN]$")
 
