@@ -35,12 +35,12 @@ def join(base: str, *parts: str) -> str:
 
 
 def exists(fs: pafs.FileSystem, path: str) -> bool:
-    with arrow_errors(path):
+    with arrow_errors(fs, path):
         return fs.get_file_info(path).type != pafs.FileType.NotFound
 
 
 def read_bytes(fs: pafs.FileSystem, path: str) -> bytes:
-    with arrow_errors(path), fs.open_input_stream(path) as f:
+    with arrow_errors(fs, path), fs.open_input_stream(path) as f:
         return f.read()
 
 
@@ -52,7 +52,7 @@ def atomic_write_bytes(fs: pafs.FileSystem, path: str, data: bytes) -> None:
     if isinstance(fs, pafs.LocalFileSystem):
         atomic_write_local(path, data)
         return
-    with arrow_errors(path), fs.open_output_stream(path) as f:
+    with arrow_errors(fs, path), fs.open_output_stream(path) as f:
         f.write(data)
 
 
@@ -99,25 +99,25 @@ def publish_local_file(local_tmp: str, fs: pafs.FileSystem, path: str) -> None:
         os.replace(local_tmp, path)
         return
     # An S3 multipart upload becomes visible only when it completes: atomic.
-    with arrow_errors(path):
+    with arrow_errors(fs, path):
         pafs.copy_files(local_tmp, path, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
     os.remove(local_tmp)
 
 
 def list_files(fs: pafs.FileSystem, path: str) -> list[str]:
-    with arrow_errors(path):
+    with arrow_errors(fs, path):
         info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
     return sorted(i.path for i in info if i.type == pafs.FileType.File)
 
 
 def list_dirs(fs: pafs.FileSystem, path: str) -> list[str]:
-    with arrow_errors(path):
+    with arrow_errors(fs, path):
         info = fs.get_file_info(pafs.FileSelector(path, allow_not_found=True, recursive=False))
     return sorted(i.path for i in info if i.type == pafs.FileType.Directory)
 
 
 def delete_dir(fs: pafs.FileSystem, path: str) -> None:
     """Delete a directory and everything under it (S3: every object under the prefix)."""
-    with arrow_errors(path):
+    with arrow_errors(fs, path):
         if fs.get_file_info(path).type != pafs.FileType.NotFound:
             fs.delete_dir(path)

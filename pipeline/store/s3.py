@@ -88,12 +88,16 @@ _ARROW_REFUSED = ("ACCESS_DENIED", "InvalidAccessKeyId", "SignatureDoesNotMatch"
 
 
 @contextmanager
-def arrow_errors(path: str) -> Iterator[None]:
+def arrow_errors(fs, path: str) -> Iterator[None]:
     """pyarrow S3 errors on ``path`` as StoreUnavailable where they mean an unreachable endpoint
-    or refused credentials; anything else passes through unchanged."""
+    or refused credentials; anything else (and any local filesystem's error) passes unchanged."""
+    import pyarrow.fs as pafs
+
     try:
         yield
     except OSError as e:
+        if not isinstance(fs, pafs.S3FileSystem):
+            raise
         text = str(e)
         if any(m in text for m in _ARROW_UNREACHABLE):
             raise unreachable(f"s3://{path}", text.split(";")[-1].strip()[:160]) from None
