@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from schemas.acceptance import Acceptance
+
 
 def acceptance_length(accepted_per_step: float) -> float:
     """Mean acceptance length: a verify step emits the accepted drafts plus one target token."""
@@ -61,37 +63,37 @@ def summary(
     accepted: int | None = None,
     per_prompt: list[PromptCounts] | None = None,
     **extra,
-) -> dict:
-    """The acceptance record every measurement reports (JSON-ready). ``per_prompt`` gives the
-    standard error; engines that only expose totals leave it out (``se`` None)."""
+) -> Acceptance:
+    """The acceptance record every measurement reports. ``per_prompt`` gives the standard error;
+    engines that only expose totals leave it out (``se`` None)."""
     steps = max(verify_steps, 1)
     accepted = sum(accepted_per_pos) if accepted is None else accepted
-    return {
-        "measured_by": measured_by,
-        "k": k,
-        "verify_steps": verify_steps,
-        "prompts": len(per_prompt) if per_prompt is not None else None,
-        "accepted_per_step": accepted / steps,
-        "mean_acceptance_length": acceptance_length(accepted / steps),
-        "se": standard_error(per_prompt) if per_prompt is not None else None,
-        "acceptance_per_pos": [a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
+    return Acceptance(
+        measured_by=measured_by,
+        k=k,
+        verify_steps=verify_steps,
+        prompts=len(per_prompt) if per_prompt is not None else None,
+        accepted_per_step=accepted / steps,
+        mean_acceptance_length=acceptance_length(accepted / steps),
+        se=standard_error(per_prompt) if per_prompt is not None else None,
+        acceptance_per_pos=[a / steps for a in accepted_per_pos] if accepted_per_pos is not None else None,
         **extra,
-    }
+    )
 
 
-def from_prompts(measured_by: str, k: int, per_prompt: list[PromptCounts], **extra) -> dict:
+def from_prompts(measured_by: str, k: int, per_prompt: list[PromptCounts], **extra) -> Acceptance:
     """:func:`summary` of per-prompt counts."""
     per_pos = [sum(c.accepted_per_pos[j] for c in per_prompt) for j in range(k)]
     return summary(measured_by, k, sum(c.verify_steps for c in per_prompt), per_pos, per_prompt=per_prompt, **extra)
 
 
-def line(acc: dict) -> str:
+def line(acc: Acceptance) -> str:
     """One line per measurement, for terminals and logs."""
-    se = f" +- {acc['se']:.2f}" if acc.get("se") is not None else ""
-    per = acc.get("acceptance_per_pos")
+    se = f" +- {acc.se:.2f}" if acc.se is not None else ""
+    per = acc.acceptance_per_pos
     per_s = " [" + " ".join(f"{a:.2f}" for a in per) + "]" if per else ""
-    n = f"{acc['prompts']} prompts, " if acc.get("prompts") is not None else ""
+    n = f"{acc.prompts} prompts, " if acc.prompts is not None else ""
     return (
-        f"mean acceptance length {acc['mean_acceptance_length']:.2f}{se} (k={acc['k']}, {n}"
-        f"{acc['verify_steps']} verify steps){per_s} -- {acc['measured_by']}"
+        f"mean acceptance length {acc.mean_acceptance_length:.2f}{se} (k={acc.k}, {n}"
+        f"{acc.verify_steps} verify steps){per_s} -- {acc.measured_by}"
     )

@@ -177,6 +177,125 @@ class Check(BaseModel):
     message: str
 
 
+class EngineReads(BaseModel):
+    """What the engine release's reading rule takes from the draft config, and the points it predicts
+    (``rule`` None: no derived rule for the release; the measured feed decides)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rule: str | None = None
+    source: str | None = None  # where in the engine's released source the rule was derived
+    key: str | None = None  # the config key read
+    ids: list[int] | None = None
+    points: list[str] = []
+    labels: list[str] = []
+    error: str | None = None  # the rule cannot read this config
+    release: str | None = None
+    other_runners: list[EngineReads] = []  # the other runners the deployment may use (vLLM)
+    no_rule: str | None = None
+    note: str | None = None
+    replayed_with: str | None = None  # the engine release installed here
+
+
+class SlotFeed(BaseModel):
+    prefill: str | None  # the boundary matched on prefill rows (None: none within tolerance)
+    verify: str | None
+    prefill_errors: dict[str, float]  # boundary -> rel L2 of the fed rows
+    verify_errors: dict[str, float] | None
+
+
+class Feed(BaseModel):
+    """What the engine's draft actually received, per slot on prefill and verify steps, or why it
+    was not measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    not_measured: str | None = None
+    measured_with: str | None = None
+    recorded_rows: dict[str, int] = {}
+    prefill: list[str] = []
+    verify: list[str] | str | None = None  # a string says why no verify-step rows were recorded
+    vs_training_rel_l2: list[float | None] = []
+    verify_deviations: list[str] = []  # the layer right, its values off: reported, acceptance judges it
+    disagreements: list[str] = []  # the rule table against the measurement: a table bug
+    slots: list[SlotFeed] = []
+
+    @property
+    def measured(self) -> bool:
+        return bool(self.prefill)
+
+
+class VersusHeldout(BaseModel):
+    """Acceptance through the engine against training's held-out figure (``acceptance.versus_heldout``)."""
+
+    gated: bool
+    why: str | None = None  # reported, not gated: why
+    k: int | None = None
+    measured: float | None = None
+    heldout: float | None = None
+    heldout_verify_steps: int | None = None
+    verify_steps: int | None = None
+    se: float | None = None
+    threshold: float | None = None
+    low: bool = False
+
+
+class AcceptanceSection(BaseModel):
+    """The report's acceptance: through the serving engine (``served``), Strata's reference decoding
+    fed the same points, training's held-out figure and the comparison the gate made -- or why it
+    was skipped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    skipped: str | None = None
+    served: acceptance.Acceptance | None = None  # None with replay: hf (the reference is the measurement)
+    reference: acceptance.Acceptance | None = None
+    note: str | None = None
+    predicted_accepted_per_step: float | None = None  # from teacher-forced eval accuracy; reported only
+    heldout_at_training: acceptance.HeldoutAcceptance | None = None
+    vs_heldout: VersusHeldout | None = None
+    lossless_note: str | None = None
+
+    @property
+    def measured(self) -> acceptance.Acceptance | None:
+        """The measurement the gate judges: the serving engine's, else the reference decoding's."""
+        return self.served or self.reference
+
+
+class CostRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    configuration: str
+    draft_config: str
+    skipped: str | None = None  # the engine refused this configuration
+    new_tokens: int | None = None
+    ended_turn: int | None = None
+    decode_tokens_per_s: float | None = None
+    decode_tokens_per_s_se: float | None = None
+    mean_acceptance_length: float | None = None  # None: no draft
+    mean_acceptance_length_se: float | None = None
+    verify_steps: int | None = None
+    acceptance_per_pos: list[float] | None = None
+    decode_ms_per_step: float | None = None
+    speedup_vs_no_speculation: float | None = None
+    same_output_as_no_speculation: bool | None = None
+
+
+class Cost(BaseModel):
+    """What a blocked configuration would have cost (``pipeline.validate.cost``), or why not measured."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    skipped: str | None = None
+    rows: list[CostRow] = []
+    prompts: int | None = None
+    max_new_tokens: int | None = None
+    k: int | None = None
+    timing: str | None = None
+    measured_by: str | None = None
+    note: str | None = None
+
+
 class ValidationReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -185,13 +304,13 @@ class ValidationReport(BaseModel):
     artifact_digest: str
     serving_key: str
     serving: dict
-    engine_reads: dict  # release rule, key read, ids, points the rule predicts
-    feed: dict = {}  # measured feed: per slot on prefill / verify steps, disagreements
+    engine_reads: EngineReads
+    feed: Feed = Feed()
     slots: list[SlotCheck]
     identity: list[Check]
-    acceptance: dict
+    acceptance: AcceptanceSection
     tolerances: dict
     calibration: dict  # measured errors at the matched boundaries
     provenance: dict = {}  # where the trained points come from (fingerprints, or inferred by the probe)
-    cost: dict | None = None  # blocked only: what the configuration would have cost (validate/cost.py)
+    cost: Cost | None = None  # blocked only
     report_dir: str | None = None

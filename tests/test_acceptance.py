@@ -24,9 +24,9 @@ def _prompt(rng: random.Random, rate: float, k: int = 3) -> PromptCounts:
 def test_counts_are_token_weighted_over_prompts():
     a, b = PromptCounts(4, (3, 2, 1)), PromptCounts(6, (0, 0, 0))
     acc = from_prompts("test", 3, [a, b])
-    assert acc["verify_steps"] == 10 and acc["prompts"] == 2
-    assert acc["acceptance_per_pos"] == [0.3, 0.2, 0.1]  # summed counts over summed steps, not a mean of rates
-    assert acc["mean_acceptance_length"] == pytest.approx(1.6) and acc["accepted_per_step"] == pytest.approx(0.6)
+    assert acc.verify_steps == 10 and acc.prompts == 2
+    assert acc.acceptance_per_pos == [0.3, 0.2, 0.1]  # summed counts over summed steps, not a mean of rates
+    assert acc.mean_acceptance_length == pytest.approx(1.6) and acc.accepted_per_step == pytest.approx(0.6)
 
 
 def test_the_standard_error_is_the_spread_over_prompts():
@@ -43,7 +43,7 @@ def test_the_standard_error_is_the_spread_over_prompts():
     sd = (sum((x - mean) ** 2 for x in boot) / (len(boot) - 1)) ** 0.5
     assert se == pytest.approx(sd, rel=0.15)
     acc = from_prompts("test", 3, prompts)
-    naive = (step_variance(acc["acceptance_per_pos"], acc["verify_steps"]) / acc["verify_steps"]) ** 0.5
+    naive = (step_variance(acc.acceptance_per_pos, acc.verify_steps) / acc.verify_steps) ** 0.5
     assert se > 1.5 * naive  # steps taken as independent would understate it
 
 
@@ -52,4 +52,4 @@ def test_no_standard_error_from_a_single_prompt_and_zero_for_identical_ones():
     assert standard_error([PromptCounts(5, (2, 1, 0)), PromptCounts(0, (0, 0, 0))]) is None  # one ran
     assert standard_error([PromptCounts(5, (2, 1, 0))] * 3) == 0.0
     acc = from_prompts("vllm x", 3, [PromptCounts(5, (2, 1, 0))])
-    assert acc["se"] is None and "+-" not in line(acc) and line(acc).startswith("mean acceptance length 1.60 (k=3")
+    assert acc.se is None and "+-" not in line(acc) and line(acc).startswith("mean acceptance length 1.60 (k=3")

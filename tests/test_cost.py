@@ -104,7 +104,7 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     # One definition of acceptance (pipeline.acceptance), one protocol (schemas.acceptance): vLLM's
     # counters, the reference decoding and training's held-out measurement of this draft and this
     # (correct) configuration agree within their noise.
-    served, ref = ok.acceptance, ok.acceptance["reference"]
+    served, ref = ok.acceptance.served.model_dump(), ok.acceptance.reference.model_dump()
     held = json.loads((pretrained_run / "final_metrics.json").read_text())["heldout_acceptance"]
     assert served["prompts"] == ref["prompts"] == held["prompts"] == 8 and held["max_new_tokens"] == 32
     for other in (ref, held):
@@ -134,7 +134,7 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     # The incident: the embedding inserted first, the last trained layer dropped.
     bad = validate(pretrained_run, pretrained_target, tmp_path, ids=[0, 2, 6], registry=str(registry))
     assert bad.decision == "block"
-    rows = {r["configuration"]: r for r in bad.cost["rows"]}
+    rows = {r.configuration: r.model_dump() for r in bad.cost.rows}
     base, written, fixed = rows["no speculation"], rows["draft, config as written"], rows["draft, correct ids"]
     assert written["draft_config"] == "ids [0, 2, 6]" and fixed["draft_config"] == "ids [2, 6, 9]"
     assert base["mean_acceptance_length"] is None and base["decode_tokens_per_s"] > 0
@@ -155,7 +155,7 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     _agree(
         served, {"mean_acceptance_length": fixed["mean_acceptance_length"], "se": fixed["mean_acceptance_length_se"]}
     )
-    assert bad.cost["note"].startswith("measured for this report only")
+    assert bad.cost.note.startswith("measured for this report only")
     # Nothing moved the channel, and no draft loaded for the table is still being served.
     assert reg.pointer("production")[0] == before and len(reg.history("production")) == history
     loaded = [k[1] for k in vllm_engine.running("eagle3")]

@@ -242,7 +242,7 @@ def _serving(target: Path) -> dict:
 
 @pytest.mark.vllm
 def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
-    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path
+    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path, capsys
 ):
     """speculators-layout drafts served by vLLM: the feed measured at the draft's fc against the
     inferred training set -- the off-by-one config blocked (exit 3) with the ids to write, the
@@ -273,10 +273,9 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
             }
         )
     )
-    assert main(["probe", "--config", str(cfg)]) == EXIT_BLOCKED
-    rep = _probe(
-        bad, pretrained_target, probe_capture, serving=_serving(pretrained_target), trained_on=[str(p) for p in trained]
-    ).report.model_dump(mode="json")
+    capsys.readouterr()
+    assert main(["probe", "--config", str(cfg), "--json"]) == EXIT_BLOCKED
+    rep = json.loads(capsys.readouterr().out)  # the whole of stdout: the report
     assert rep["verdict"] == "block" and rep["declared"] == [p.model_dump(mode="json") for p in trained]
     assert [s["fed"] for s in rep["serving"]["slots"]] == [str(p) for p in conventions.shifted(trained, 1, 12)]
     assert any(f"write top-level {conventions.AUX_KEY}={good}" in x for x in rep["reasons"]), rep["reasons"]

@@ -56,10 +56,10 @@ def test_acceptance_counters_that_do_not_reconcile_are_an_error():
         "spec_correct_drafts_histogram": [1, 1, 1, 1],
     }
     acc = acceptance_from_meta([good], [list(range(11))], 3)
-    assert acc["mean_acceptance_length"] == pytest.approx(1 + 6 / 4) and acc["acceptance_per_pos"] == [0.75, 0.5, 0.25]
+    assert acc.mean_acceptance_length == pytest.approx(1 + 6 / 4) and acc.acceptance_per_pos == [0.75, 0.5, 0.25]
     # the last step's drafts ran past max_new_tokens: fewer tokens than steps + drafts, by at most k
     capped = acceptance_from_meta([{**good, "completion_tokens": 9}], [list(range(9))], 3)
-    assert capped["accepted_per_step"] == acc["accepted_per_step"]
+    assert capped.accepted_per_step == acc.accepted_per_step
     with pytest.raises(EngineError, match="do not reconcile"):
         acceptance_from_meta([good], [list(range(10))], 3)  # tokens emitted != completion_tokens
     with pytest.raises(EngineError, match="do not reconcile"):
@@ -274,9 +274,9 @@ def _measured(report) -> list[int | None]:
 
 def _assert_measured(report, want: list[int]):
     assert all(s.fed_by == "measured" for s in report.slots), report.feed
-    assert _measured(report) == want, (report.feed.get("prefill"), report.feed.get("verify"))
-    assert report.feed["recorded_rows"]["prefill"] > 0 and report.feed["recorded_rows"]["verify"] > 0
-    assert report.feed["disagreements"] == [], report.feed["disagreements"]
+    assert _measured(report) == want, (report.feed.prefill, report.feed.verify)
+    assert report.feed.recorded_rows["prefill"] > 0 and report.feed.recorded_rows["verify"] > 0
+    assert report.feed.disagreements == [], report.feed.disagreements
 
 
 @pytest.fixture(scope="module")
@@ -303,17 +303,17 @@ def test_llama_correct_ids_pass_on_the_measured_feed(llama, chapter):
     r = chapter[2]["as exported"]
     assert r.decision == "pass", r.reasons
     _assert_measured(r, [2, 4, 6])
-    assert max(r.feed["vs_training_rel_l2"]) < 0.03  # bf16 serving vs the fp32 training values
+    assert max(r.feed.vs_training_rel_l2) < 0.03  # bf16 serving vs the fp32 training values
     # SGLang 0.5.18 on CPU computes its verify-step states without the last k+1 committed tokens
     # (intel_amx_backend.forward_extend passes the committed seq_lens, not + draft tokens): the
     # same layers, ~10% off. Reported, not blocked -- the layer is right, acceptance judges the cost.
-    devs = r.feed["verify_deviations"]
+    devs = r.feed.verify_deviations
     want = ["o_1 (r_2)", "o_3 (r_4)", "o_5 (r_6)"]
     assert len(devs) == 3 and all(f"{w} again" in d for d, w in zip(devs, want, strict=True)), devs
     # Acceptance from SGLang's counters, reconciled per request with the tokens it emitted (inside
     # acceptance_from_meta, which raises otherwise): the prefill's token, then accepted + 1 per
     # verify step, the last step possibly past max_new_tokens; the histogram adds up.
-    acc = r.acceptance
+    acc = r.acceptance.served.model_dump()
     steps, drafts = acc["verify_steps"], round(acc["accepted_per_step"] * acc["verify_steps"])
     prompts, k = acc["prompts"], protocol.SPECULATIVE_TOKENS
     assert prompts == 4  # the probe samples _train_draft's dataset holds (fewer than the protocol's 32)
@@ -324,7 +324,7 @@ def test_llama_correct_ids_pass_on_the_measured_feed(llama, chapter):
     assert sum(per_pos) == pytest.approx(acc["accepted_per_step"])
     assert acc["mean_acceptance_length"] == pytest.approx(1 + acc["accepted_per_step"])
     assert acc["se"] is not None  # per request: SGLang's counters give the standard error over prompts
-    assert acc["lossless"] or "lossless_note" in acc  # reported; gated only at fp32, which SGLang's CPU path lacks
+    assert acc["lossless"] or r.acceptance.lossless_note  # reported; gated only at fp32, which SGLang's CPU path lacks
 
 
 @pytest.mark.parametrize(
@@ -364,13 +364,36 @@ def test_without_a_rule_for_the_installed_release_the_measurement_decides(llama,
         ok = decide(load_case(llama.cfg([1, 3, 5])), engine)
         assert ok.decision == "pass", ok.reasons
         _assert_measured(ok, [2, 4, 6])
-        assert ok.engine_reads["rule"] is None and "derive --engine sglang --release 0.5.18" in ok.engine_reads["note"]
+        assert ok.engine_reads.rule is None and "derive --engine sglang --release 0.5.18" in ok.engine_reads.note
         wrong = decide(load_case(llama.cfg([2, 4, 6])), engine)
         assert wrong.decision == "block"
         _assert_measured(wrong, [3, 5, 7])
         assert any("no derived rule for sglang 0.5.18" in x for x in wrong.reasons), wrong.reasons
     finally:
         engine.close()
+
+
+def test_a_draft_trained_elsewhere_is_gated_on_what_sglang_feeds_it(llama, tmp_path):
+    """The draft as SpecForge's released exporter writes it (tests/foreign_drafts.py), Strata's files
+    gone: its trained points declared (this random-init target's draft barely depends on which layers
+    it reads, so the probe reports its evidence beside them rather than inferring them), the feed
+    measured through SGLang itself: ids one too high are blocked with the ids to write (the ids
+    SpecForge writes pass through vLLM in test_probe.py; on SGLang, the chapter's as-exported run)."""
+    from foreign_drafts import specforge_export
+
+    from pipeline.validate.case import load_case
+    from pipeline.validate.decide import decide
+
+    d = specforge_export(llama.art, tmp_path / "specforge", [2, 4, 6], tmp_path / "wheels")
+    assert not list(d.glob("strata_*"))
+    cfg = llama.cfg().model_copy(update={"artifact": str(d)})
+    cfg.probe = cfg.probe.model_copy(update={"trained_on": TRAINED, "prompts": 8})
+    r = decide(load_case(cfg), llama.engine)
+    assert r.decision == "block", r.reasons
+    _assert_measured(r, [3, 5, 7])
+    assert r.provenance["trained_points"].startswith("declared by whoever trained"), r.provenance
+    assert all("not available for an imported draft" in c.message for c in r.identity)
+    assert any(f"eagle_config.{AUX_KEY}" in x and "[1, 3, 5]" in x for x in r.reasons), r.reasons
 
 
 def test_llama_embedding_inserted_cannot_even_be_served_by_0_5_18(llama):
@@ -509,9 +532,9 @@ def test_gpu_sglang_with_cuda_graphs_measures_the_feed_and_says_how_many_verify_
             }
         )
     )
-    print("SGLang recorded draft-input rows:", r.feed["recorded_rows"])
+    print("SGLang recorded draft-input rows:", r.feed.recorded_rows)
     assert r.decision == "pass", r.reasons
-    assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == [], r.feed
+    assert all(s.fed_by == "measured" for s in r.slots) and r.feed.disagreements == [], r.feed
 
 
 def test_the_demo_chapter_blocks_the_incident_on_sglang(llama, chapter):

@@ -56,27 +56,27 @@ def set_ids(ids, nested=False):
 def test_correct_vllm_config_passes(run_dir, tiny_target, tmp_path, dtype, attn):
     r = validate(run_dir, tiny_target, tmp_path, dtype=dtype, attn=attn)
     assert r.decision == "pass", r.reasons
-    assert r.engine_reads["ids"] == [2, 3, 4] and all(s.ok for s in r.slots)
+    assert r.engine_reads.ids == [2, 3, 4] and all(s.ok for s in r.slots)
     assert max(s.errors[s.best] for s in r.slots) < 0.02
     # Exact at fp32; in bf16 a k+1-token verify can flip near-tied argmaxes (reported, not gated).
-    assert r.acceptance["lossless"] or dtype != "float32"
-    per_pos = r.acceptance["acceptance_per_pos"]  # vLLM's per-position counter ...
+    assert r.acceptance.measured.lossless or dtype != "float32"
+    per_pos = r.acceptance.measured.acceptance_per_pos  # vLLM's per-position counter ...
     assert per_pos == sorted(per_pos, reverse=True)  # chain speculation: j accepted only after j-1
     # ... and its total accepted-tokens counter are separate metrics: they must agree.
-    assert r.acceptance["accepted_per_step"] == pytest.approx(sum(per_pos))
+    assert r.acceptance.measured.accepted_per_step == pytest.approx(sum(per_pos))
 
 
 def test_correct_sglang_config_passes_and_repeats(run_dir, tiny_target, tmp_path):
     a = validate(run_dir, tiny_target, tmp_path, engine="sglang")
     b = validate(run_dir, tiny_target, tmp_path, engine="sglang")
     assert a.decision == b.decision == "pass", a.reasons
-    assert a.engine_reads["key"] == f"eagle_config.{AUX_KEY}" and a.engine_reads["ids"] == [1, 2, 3]
+    assert a.engine_reads.key == f"eagle_config.{AUX_KEY}" and a.engine_reads.ids == [1, 2, 3]
     assert [s.errors for s in a.slots] == [s.errors for s in b.slots]
 
 
 def test_vllm_resorts_swapped_ids(run_dir, tiny_target, tmp_path):
     r = validate(run_dir, tiny_target, tmp_path, config_edit=set_ids([4, 2, 3]))
-    assert r.decision == "pass" and r.engine_reads["points"] == ["layer_output:1", "layer_output:2", "layer_output:3"]
+    assert r.decision == "pass" and r.engine_reads.points == ["layer_output:1", "layer_output:2", "layer_output:3"]
 
 
 # -- the mutation suite --------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_slots_swapped_in_sglang_are_harmless(run_dir, tiny_target, tmp_path):
     """SGLang appends aux states inside its layer loop: [2, 1, 3] feeds the same as [1, 2, 3]."""
     r = validate(run_dir, tiny_target, tmp_path, engine="sglang", config_edit=set_ids([2, 1, 3], nested=True))
     assert r.decision == "pass", r.reasons
-    assert r.engine_reads["points"] == ["layer_output:1", "layer_output:2", "layer_output:3"]
+    assert r.engine_reads.points == ["layer_output:1", "layer_output:2", "layer_output:3"]
 
 
 def test_original_bug_embedding_inserted_last_slot_dropped(run_dir, tiny_target, tmp_path):
@@ -134,7 +134,7 @@ def test_original_bug_embedding_inserted_last_slot_dropped(run_dir, tiny_target,
 def test_sglang_config_read_by_vllm_rules(run_dir, tiny_target, tmp_path):
     """An SGLang export (nested o-ids) handed to vLLM, which falls back to the nested key as r-ids."""
     r = validate(run_dir, tiny_target, tmp_path, engine="sglang", serving_engine="vllm")
-    assert r.engine_reads == {**r.engine_reads, "key": f"eagle_config.{AUX_KEY}", "ids": [1, 2, 3]}
+    assert (r.engine_reads.key, r.engine_reads.ids) == (f"eagle_config.{AUX_KEY}", [1, 2, 3])
     blocked(r, "slot 0 is fed o_0 (r_1)", "shifted by -1")
 
 
@@ -253,7 +253,7 @@ def test_dtype_beyond_tolerance(run_dir, tiny_target, tmp_path):
 def test_acceptance_below_floor_blocks(run_dir, tiny_target, tmp_path):
     r = validate(run_dir, tiny_target, tmp_path, tolerances={"acceptance_floor": 3.9})
     blocked(r, "mean acceptance length", "< floor 3.9")
-    assert all(s.ok for s in r.slots) and r.acceptance["lossless"]
+    assert all(s.ok for s in r.slots) and r.acceptance.measured.lossless
 
 
 def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_target, tmp_path):
@@ -283,7 +283,7 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
             }
         )
     )
-    vs = r.acceptance["vs_heldout"]
+    vs = r.acceptance.vs_heldout.model_dump()
     print("vs held-out:", vs)
     assert vs["gated"] and vs["heldout"] == pytest.approx(2.94) and vs["measured"] < vs["threshold"]
     blocked(r, "below 0.5 x the 2.94 measured at training on held-out prompts")

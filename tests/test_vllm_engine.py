@@ -146,7 +146,7 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(
     """Cross-engine: extracted with HF, trained by Strata, exported for vLLM, validated in vLLM."""
     r = served(trained_run, tiny_target, tmp_path)
     assert r.decision == "pass", r.reasons
-    acc, ref = r.acceptance, r.acceptance["reference"]
+    acc, ref = r.acceptance.served.model_dump(), r.acceptance.reference.model_dump()
     print(
         "acceptance per position: vLLM",
         acc["acceptance_per_pos"],
@@ -168,13 +168,13 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(
     assert all(abs(a - b) < 0.15 for a, b in zip(acc["acceptance_per_pos"], ref["acceptance_per_pos"], strict=True))
     assert max(s.errors[s.best] for s in r.slots) < 1e-5  # fp32 replay through vLLM vs HF-extracted training data
     # The feed was measured inside vLLM, on prefill and on verify steps, and matches the training values.
-    assert all(s.fed_by == "measured" for s in r.slots) and r.feed["disagreements"] == []
+    assert all(s.fed_by == "measured" for s in r.slots) and r.feed.disagreements == []
     assert (
-        [x["prefill"] for x in r.feed["slots"]]
-        == [x["verify"] for x in r.feed["slots"]]
+        [x.prefill for x in r.feed.slots]
+        == [x.verify for x in r.feed.slots]
         == ["layer_output:1", "layer_output:2", "layer_output:3"]
     )
-    assert max(r.feed["vs_training_rel_l2"]) < 1e-4
+    assert max(r.feed.vs_training_rel_l2) < 1e-4
 
 
 def set_ids(ids, nested=False):
@@ -213,9 +213,9 @@ def test_wrong_configs_blocked_by_the_measured_feed(
         assert n in text, (n, text)
     assert all(s.fed_by == "measured" for s in r.slots)
     # The measurement agrees with the table here, and verify steps feed what prefill did.
-    assert r.feed["disagreements"] == [] and not any("verify steps" in x for x in r.reasons)
-    assert max(r.feed["vs_training_rel_l2"]) > 0.1  # a wrong slot's values are far from its training values
-    assert r.acceptance["note"].startswith("measured for the report only")
+    assert r.feed.disagreements == [] and not any("verify steps" in x for x in r.reasons)
+    assert max(r.feed.vs_training_rel_l2) > 0.1  # a wrong slot's values are far from its training values
+    assert r.acceptance.note.startswith("measured for the report only")
     assert r.cost is None  # cost: false (`--no-cost`) skips the cost table
 
 
@@ -226,7 +226,7 @@ def test_no_ids_is_blocked_by_the_rule_without_serving(vllm_engine, trained_run,
     for n in ("finds no aux layer ids", "silently uses its default", "would feed 2 aux states"):
         assert n in text, (n, text)
     assert r.decision == "block" and all(s.fed_by == "rule" for s in r.slots)
-    assert "not served" in r.feed["not_measured"] and "mean_acceptance_length" not in r.acceptance
+    assert "not served" in r.feed.not_measured and r.acceptance.measured is None
 
 
 def test_planted_wrong_rule_is_reported_and_the_measurement_decides(
@@ -247,17 +247,17 @@ def test_planted_wrong_rule_is_reported_and_the_measurement_decides(
     assert r.decision == "pass", r.reasons
     assert [str(s.fed) for s in r.slots] == ["layer_output:1", "layer_output:2", "layer_output:3"]
     assert [str(s.predicted) for s in r.slots] == ["layer_output:2", "layer_output:3", "layer_output:4"]
-    assert r.feed["disagreements"][0].startswith(
+    assert r.feed.disagreements[0].startswith(
         f"{rule.name} feeds o_1 (r_2) to slot 0; Strata's rule table predicted o_2 (r_3)"
     )
-    assert len(r.feed["disagreements"]) == 3
+    assert len(r.feed.disagreements) == 3
 
     monkeypatch.setattr(
         releases, "RULES", tuple(x for x in releases.RULES if not (x.engine == "vllm" and x.covers(installed)))
     )
     r = served(trained_run, tiny_target, tmp_path, serving={"vllm_runner": "v1"}, acceptance_prompts=3)
     assert r.decision == "pass", r.reasons
-    assert r.engine_reads["rule"] is None and "derive --engine vllm --release" in r.engine_reads["note"]
+    assert r.engine_reads.rule is None and "derive --engine vllm --release" in r.engine_reads.note
     assert [s.fed_by for s in r.slots] == ["measured"] * 3
     wrong = served(
         trained_run,
@@ -278,12 +278,12 @@ def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp
 
     installed = vllm_engine.vllm_version()
     r = served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.31.0"})
-    assert r.decision == "block" and r.engine_reads["replayed_with"] == f"vllm {installed}"
+    assert r.decision == "block" and r.engine_reads.replayed_with == f"vllm {installed}"
     assert any(f"replayed through vllm {installed}, but serving.engine_version is 0.31.0" in x for x in r.reasons)
     with pytest.raises(ValidationInputError, match="no reading rule is known for vllm 0.40.0"):
         served(trained_run, tiny_target, tmp_path, serving={"engine_version": "0.40.0"})
     assert all(s.ok for s in r.slots)  # the right ids: only the release is wrong
-    assert "mean_acceptance_length" not in r.acceptance
+    assert r.acceptance.measured is None
     same = served(
         trained_run, tiny_target, tmp_path, serving={"engine_version": f"{installed}+cpu"}, acceptance_prompts=0
     )

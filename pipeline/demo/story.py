@@ -28,13 +28,14 @@ from pipeline.train.job import run_train
 from pipeline.validate.cost import table_lines
 from pipeline.validate.job import run_validate, serving_for_channel
 from pipeline.validate.report import summary
+from schemas.acceptance import HeldoutAcceptance
 from schemas.artifact import ARTIFACT_CONFIG, ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
 from schemas.config import load_config
 from schemas.extract import ExtractConfig
 from schemas.regenerate import RegenerateConfig, RegenerationRecord
 from schemas.train import TrainConfig
-from schemas.validation import ValidateConfig, ValidationReport
+from schemas.validation import Cost, ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
     bad = _chapter_incident(root, art, serving, registry, say)
     unmoved = reg.pointer("production")[0] == before
     say("\n== what the misconfiguration would have cost, measured through vLLM on held-out prompts")
-    for line in table_lines(bad.cost or {"skipped": "not measured"}):
+    for line in table_lines(bad.cost or Cost(skipped="not measured")):
         say("   " + line)
     say(
         f"   the gate blocked it before it was served: {bad.decision.upper()}; production "
@@ -280,7 +281,7 @@ def _chapter_train(root: Path, say) -> Path:
     say(f"   eval accuracy per TTT position {[round(a, 2) for a in ev.get('acc_per_pos', [])]}")
     if "mean_acceptance_length" in held:
         predicted = acceptance_length(held["predicted_accepted_per_step"] or 0)
-        say(f"   held-out prompts: {accept_def.line(held)}")
+        say(f"   held-out prompts: {accept_def.line(HeldoutAcceptance.model_validate(held))}")
         say(f"   (teacher-forced accuracy predicts {predicted:.2f})  [{time.perf_counter() - t:.0f} s]")
     return root / "run" / "export" / "vllm"
 

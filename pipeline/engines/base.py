@@ -23,6 +23,7 @@ from pipeline.dtypes import torch_dtype
 from pipeline.engines.errors import EngineUnavailable
 from pipeline.engines.feed_files import FeedCall
 from pipeline.store.encoding import split_planes
+from schemas.acceptance import Acceptance
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -45,7 +46,7 @@ class ServeResult:
     and per prompt the draft inputs it recorded (None where the engine cannot be observed)."""
 
     outputs: list[list[int]]
-    acceptance: dict
+    acceptance: Acceptance
     feed: list[list[FeedCall]] | None
 
 
@@ -62,7 +63,7 @@ class DecodeTiming:
     outputs: list[list[int]]
     prefill_s: list[float]  # per prompt
     total_s: list[float]  # per prompt: the whole continuation's request
-    acceptance: dict | None
+    acceptance: Acceptance | None
 
     @property
     def new_tokens(self) -> int:

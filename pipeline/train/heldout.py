@@ -25,6 +25,7 @@ from pipeline.store.reader import load_manifest
 from pipeline.train.export import export_run
 from pipeline.train.loop import FINAL_METRICS
 from pipeline.train.metrics import METRICS_FILE
+from schemas.acceptance import HeldoutAcceptance
 from schemas.capture import CapturePoint
 from schemas.train import TrainConfig
 
@@ -56,10 +57,9 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
         lossless = res.outputs == eng.greedy(prompts, h.max_new_tokens)
     finally:
         eng.close()
-    acc = res.acceptance
     return {
         "kind": "heldout_acceptance",
-        **acc,
+        **res.acceptance.model_dump(exclude={"lossless"}),
         "prompt_sample_ids": fp.sample_ids[: len(prompts)],
         "max_new_tokens": h.max_new_tokens,
         "lossless": lossless,
@@ -87,7 +87,7 @@ def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray:
         result["step"] = metrics.get("steps")
         log.info(
             "held-out acceptance: %s; training accuracy predicts %.2f accepted per step, measured %.2f",
-            line(result),
+            line(HeldoutAcceptance.model_validate(result)),
             result["predicted_accepted_per_step"] or float("nan"),
             result["accepted_per_step"],
         )

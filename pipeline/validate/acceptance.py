@@ -12,15 +12,17 @@ import json
 import math
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from pipeline.draft.model import simulated_acceptance_length
 from pipeline.engines.base import ServeResult, TargetEngine
 from pipeline.engines.hf import HFEngine
 from pipeline.fingerprint import Fingerprints
+from schemas.acceptance import Acceptance, HeldoutAcceptance
 from schemas.artifact import DraftArtifactManifest
 from schemas.capture import CapturePoint
-from schemas.validation import Tolerances, ValidateConfig
+from schemas.validation import AcceptanceSection, Tolerances, ValidateConfig, VersusHeldout
 
 
 def prompts(cfg: ValidateConfig, fp: Fingerprints) -> list[list[int]]:
@@ -46,84 +48,82 @@ def step_variance(per_pos: list[float], steps: int) -> float:
     return sum(x * (1 - x) for x in a) + 2 * sum(a[j] * (1 - a[i]) for j in range(len(a)) for i in range(j))
 
 
-def versus_heldout(measured: dict, heldout: dict | None, tol: Tolerances) -> dict:
+def versus_heldout(measured: Acceptance, heldout: HeldoutAcceptance | None, tol: Tolerances) -> VersusHeldout:
     """Acceptance through the serving engine against the same quantity measured at training on
     held-out prompts, where the trained points were fed by construction (``train.heldout``).
 
     Accepted drafts per step over the first k positions (k = the smaller of the two runs'):
     low when ``measured < acceptance_vs_heldout * heldout - acceptance_z * SE`` (SE of the
-    difference: over prompts where both runs report it, else steps taken as independent). Gated only when the held-out figure stands
-    clear of its own noise; otherwise reported."""
-    if not heldout or not heldout.get("verify_steps") or "accepted_per_step" not in heldout:
-        return {"gated": False, "why": "no held-out acceptance was recorded at training"}
-    k = min(measured["k"], heldout["k"])
-    h_pos, m_pos = (heldout.get("acceptance_per_pos") or [])[:k], (measured.get("acceptance_per_pos") or [])[:k]
-    if (not h_pos and heldout["k"] != k) or (not m_pos and measured["k"] != k):
-        return {
-            "gated": False,
-            "why": f"k differs ({measured['k']} vs {heldout['k']}) and per-position acceptance is missing",
-        }
-    s_h, s_m = heldout["verify_steps"], max(measured["verify_steps"], 1)
-    h_mean = sum(h_pos) if h_pos else heldout["accepted_per_step"]
-    m_mean = sum(m_pos) if m_pos else measured["accepted_per_step"]
+    difference: over prompts where both runs report it, else steps taken as independent). Gated
+    only when the held-out figure stands clear of its own noise; otherwise reported."""
+    if heldout is None or not heldout.verify_steps:
+        return VersusHeldout(gated=False, why="no held-out acceptance was recorded at training")
+    k = min(measured.k, heldout.k)
+    h_pos, m_pos = (heldout.acceptance_per_pos or [])[:k], (measured.acceptance_per_pos or [])[:k]
+    if (not h_pos and heldout.k != k) or (not m_pos and measured.k != k):
+        return VersusHeldout(
+            gated=False, why=f"k differs ({measured.k} vs {heldout.k}) and per-position acceptance is missing"
+        )
+    s_h, s_m = heldout.verify_steps, max(measured.verify_steps, 1)
+    h_mean = sum(h_pos) if h_pos else heldout.accepted_per_step
+    m_mean = sum(m_pos) if m_pos else measured.accepted_per_step
     var_h = step_variance(h_pos, s_h) if h_pos else k * k / 4
     var_m = step_variance(m_pos, s_m) if m_pos else var_h
-    same_k = k == measured["k"] == heldout["k"]
-    if same_k and measured.get("se") is not None and heldout.get("se") is not None:
+    same_k = k == measured.k == heldout.k
+    if same_k and measured.se is not None and heldout.se is not None:
         # prompts as the independent units (pipeline.acceptance); never below the per-step figure
-        se_h = max(heldout["se"], math.sqrt(var_h / s_h))
-        se = math.sqrt(max(measured["se"] ** 2, var_m / s_m) + se_h**2)
+        se_h = max(heldout.se, math.sqrt(var_h / s_h))
+        se = math.sqrt(max(measured.se**2, var_m / s_m) + se_h**2)
         var_h = se_h**2 * s_h
     else:
         se = math.sqrt(var_m / s_m + var_h / s_h)
     threshold = tol.acceptance_vs_heldout * h_mean - tol.acceptance_z * se
     gated = h_mean - tol.acceptance_z * math.sqrt(var_h / s_h) > 0 and threshold > 0
-    return {
-        "k": k,
-        "measured": m_mean,
-        "heldout": h_mean,
-        "heldout_verify_steps": s_h,
-        "verify_steps": s_m,
-        "se": se,
-        "threshold": threshold,
-        "gated": gated,
-        "low": gated and m_mean < threshold,
-        **({} if gated else {"why": "the held-out acceptance is within its noise of zero: reported, not gated"}),
-    }
+    return VersusHeldout(
+        k=k,
+        measured=m_mean,
+        heldout=h_mean,
+        heldout_verify_steps=s_h,
+        verify_steps=s_m,
+        se=se,
+        threshold=threshold,
+        gated=gated,
+        low=gated and m_mean < threshold,
+        why=None if gated else "the held-out acceptance is within its noise of zero: reported, not gated",
+    )
 
 
-def check(cfg: ValidateConfig, accept: dict) -> tuple[dict, list[str]]:
+def check(cfg: ValidateConfig, section: AcceptanceSection) -> tuple[AcceptanceSection, list[str]]:
     """The acceptance check -- floor, held-out comparison, losslessness (gated at float32) --
-    as a pure function: (what it found, to add to the report's acceptance section; reasons)."""
-    found: dict = {}
+    as a pure function: (the section with what it found, reasons to block)."""
     out: list[str] = []
-    if "mean_acceptance_length" not in accept:
-        return found, out
-    if accept["mean_acceptance_length"] < cfg.tolerances.acceptance_floor:
+    a = section.measured
+    if a is None:
+        return section, out
+    if a.mean_acceptance_length < cfg.tolerances.acceptance_floor:
+        out.append(f"mean acceptance length {a.mean_acceptance_length:.2f} < floor {cfg.tolerances.acceptance_floor}")
+    vs = versus_heldout(a, section.heldout_at_training, cfg.tolerances)
+    if vs.low:
         out.append(
-            f"mean acceptance length {accept['mean_acceptance_length']:.2f} < floor {cfg.tolerances.acceptance_floor}"
-        )
-    vs = found["vs_heldout"] = versus_heldout(accept, accept.get("heldout_at_training"), cfg.tolerances)
-    if vs.get("low"):
-        out.append(
-            f"accepted tokens per step {vs['measured']:.2f} (first {vs['k']} positions) is below "
-            f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs['heldout']:.2f} measured at training on "
-            f"held-out prompts, beyond the noise (threshold {vs['threshold']:.2f}): the engine does not "
+            f"accepted tokens per step {vs.measured:.2f} (first {vs.k} positions) is below "
+            f"{cfg.tolerances.acceptance_vs_heldout:g} x the {vs.heldout:.2f} measured at training on "
+            f"held-out prompts, beyond the noise (threshold {vs.threshold:.2f}): the engine does not "
             "serve the draft as it was trained"
         )
-    if not accept["lossless"] and cfg.serving.dtype == "float32":
-        out.append(f"speculative decoding ({accept['measured_by']}) changed the greedy output: not lossless")
-    elif not accept["lossless"]:
+    note = None
+    if not a.lossless and cfg.serving.dtype == "float32":
+        out.append(f"speculative decoding ({a.measured_by}) changed the greedy output: not lossless")
+    elif not a.lossless:
         # Verifying k+1 tokens in one forward rounds differently from one token at a time
         # in 16-bit types, which can flip near-tied argmaxes: reported, not gated.
-        found["lossless_note"] = (
+        note = (
             f"output differs from target-only greedy decoding in {cfg.serving.dtype}; "
             "16-bit verification can flip near-ties; gated at float32 only"
         )
-    return found, out
+    return section.model_copy(update={"vs_heldout": vs, "lossless_note": note}), out
 
 
-def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> dict:
+def reference(cfg: ValidateConfig, art: Path, ps: list[list[int]], fed: list[CapturePoint]) -> Acceptance:
     """Strata's reference speculative decoding (HF target + Strata's draft) fed ``fed``."""
     eng = HFEngine(cfg.serving.target.path, [], cfg.serving.dtype, "cpu", cfg.serving.attn_implementation)
     try:
@@ -139,11 +139,11 @@ def serve(
     ps: list[list[int]],
     feed_points: list[CapturePoint] | None = None,
 ) -> ServeResult:
-    """Serve the draft through ``engine``; acceptance gains ``lossless``: the output equals the
-    same engine's target-only greedy decoding."""
+    """Serve the draft through ``engine``; its acceptance says whether the output equals the same
+    engine's target-only greedy decoding (``lossless``)."""
     res = engine.serve_draft(draft_dir, ps, cfg.max_new_tokens, cfg.speculative_tokens, feed_points=feed_points)
-    res.acceptance["lossless"] = res.outputs == engine.greedy(ps, cfg.max_new_tokens)
-    return res
+    lossless = res.outputs == engine.greedy(ps, cfg.max_new_tokens)
+    return replace(res, acceptance=res.acceptance.model_copy(update={"lossless": lossless}))
 
 
 def served_draft_dir(art: Path, draft_config: Path) -> tuple[Path, bool]:

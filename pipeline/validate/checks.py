@@ -16,7 +16,7 @@ from pipeline.engines import installed_version, same_release
 from pipeline.validate.gate import label
 from schemas.capture import CapturePoint
 from schemas.identity import TargetIdentity
-from schemas.validation import Check, ServingConfig
+from schemas.validation import Check, EngineReads, ServingConfig
 
 
 @dataclass
@@ -100,16 +100,16 @@ class Reading:
     points: list[CapturePoint]
     error: str | None
 
-    def as_dict(self, n: int) -> dict:
-        return {
-            "rule": self.rule.name,
-            "source": self.rule.source,
-            "key": self.key,
-            "ids": self.ids,
-            "points": [str(p) for p in self.points],
-            "labels": [label(p, n) for p in self.points],
-            "error": self.error,
-        }
+    def reads(self, n: int) -> EngineReads:
+        return EngineReads(
+            rule=self.rule.name,
+            source=self.rule.source,
+            key=self.key,
+            ids=self.ids,
+            points=[str(p) for p in self.points],
+            labels=[label(p, n) for p in self.points],
+            error=self.error,
+        )
 
 
 def rule_readings(

@@ -23,6 +23,7 @@ from pipeline.engines.base import DecodeTiming, TargetEngine
 from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.validate.acceptance import draft_dir_with
 from schemas.capture import CapturePoint
+from schemas.validation import Cost, CostRow
 
 log = logging.getLogger(__name__)
 
@@ -32,29 +33,27 @@ NOTE = (
 )
 
 
-def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, stop_ids: frozenset[int]) -> dict:
-    acc = t.acceptance or {}
+def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, stop_ids: frozenset[int]) -> CostRow:
+    acc = t.acceptance
     se = t.decode_tokens_per_s_se
-    row = {
-        "configuration": name,
-        "draft_config": config,
-        "new_tokens": t.new_tokens,
-        "ended_turn": sum(1 for o in t.outputs if o and o[-1] in stop_ids),
-        "decode_tokens_per_s": round(t.decode_tokens_per_s, 2),
-        "decode_tokens_per_s_se": round(se, 2) if se is not None else None,
-        "mean_acceptance_length": round(acc["mean_acceptance_length"], 3) if acc else None,
-        "mean_acceptance_length_se": round(acc["se"], 3) if acc and acc.get("se") is not None else None,
-        "verify_steps": acc.get("verify_steps") if acc else None,
-        "acceptance_per_pos": [round(a, 3) for a in acc["acceptance_per_pos"]] if acc else None,
-    }
     # What one engine step costs after the prefill (a verify step with a draft, one token without):
     # speed-up = mean acceptance length x plain step / verify step.
-    steps = acc.get("verify_steps") if acc else t.decode_tokens
-    row["decode_ms_per_step"] = round(1000 * t.decode_seconds / steps, 3) if steps else None
-    if base is not None:
-        row["speedup_vs_no_speculation"] = round(t.decode_tokens_per_s / base.decode_tokens_per_s, 3)
-        row["same_output_as_no_speculation"] = t.outputs == base.outputs
-    return row
+    steps = acc.verify_steps if acc else t.decode_tokens
+    return CostRow(
+        configuration=name,
+        draft_config=config,
+        new_tokens=t.new_tokens,
+        ended_turn=sum(1 for o in t.outputs if o and o[-1] in stop_ids),
+        decode_tokens_per_s=round(t.decode_tokens_per_s, 2),
+        decode_tokens_per_s_se=round(se, 2) if se is not None else None,
+        mean_acceptance_length=round(acc.mean_acceptance_length, 3) if acc else None,
+        mean_acceptance_length_se=round(acc.se, 3) if acc and acc.se is not None else None,
+        verify_steps=acc.verify_steps if acc else None,
+        acceptance_per_pos=[round(a, 3) for a in acc.acceptance_per_pos or []] if acc else None,
+        decode_ms_per_step=round(1000 * t.decode_seconds / steps, 3) if steps else None,
+        speedup_vs_no_speculation=round(t.decode_tokens_per_s / base.decode_tokens_per_s, 3) if base else None,
+        same_output_as_no_speculation=t.outputs == base.outputs if base else None,
+    )
 
 
 def _draft_row(
@@ -67,15 +66,15 @@ def _draft_row(
     k: int,
     base: DecodeTiming,
     stop_ids: frozenset[int],
-) -> dict:
+) -> CostRow:
     try:
         return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base, stop_ids)
     except EngineError as e:  # the engine refusing this configuration is the row's finding (a bug is not)
-        return {
-            "configuration": name,
-            "draft_config": config,
-            "skipped": f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}",
-        }
+        return CostRow(
+            configuration=name,
+            draft_config=config,
+            skipped=f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}",
+        )
 
 
 def cost_table(
@@ -91,7 +90,7 @@ def cost_table(
     max_new_tokens: int,
     k: int,
     stop_ids: frozenset[int],
-) -> dict:
+) -> Cost:
     """Rows for: no speculation, the draft as configured, the draft with the correct ids;
     ``ended_turn`` counts the generations that stopped at the target's end of turn (``stop_ids``)."""
     served = json.loads(draft_config.read_text())
@@ -114,7 +113,11 @@ def cost_table(
         base = engine.timed_decode(None, prompts, max_new_tokens, k)
         rows = [_row("no speculation", "-", base, None, stop_ids)]
         if fixed is None:
-            correct = {"configuration": "draft, correct ids", "skipped": f"no id list feeds the trained points: {why}"}
+            correct = CostRow(
+                configuration="draft, correct ids",
+                draft_config="-",
+                skipped=f"no id list feeds the trained points: {why}",
+            )
         else:
             fixed_dir = art  # the artifact's own config already has them: reuse a running engine if there is one
             if fixed != json.loads((art / "config.json").read_text()):
@@ -144,42 +147,42 @@ def cost_table(
             ),
             correct,
         ]
-        return {
-            "rows": rows,
-            "prompts": len(prompts),
-            "max_new_tokens": max_new_tokens,
-            "k": k,
-            "timing": "single stream, one prompt at a time, prefill subtracted, stopped at the end of the turn",
-            "measured_by": f"{engine.name} {engine.version}",
-            "note": NOTE,
-        }
+        return Cost(
+            rows=rows,
+            prompts=len(prompts),
+            max_new_tokens=max_new_tokens,
+            k=k,
+            timing="single stream, one prompt at a time, prefill subtracted, stopped at the end of the turn",
+            measured_by=f"{engine.name} {engine.version}",
+            note=NOTE,
+        )
     except EngineUnavailable as e:
-        return {"skipped": str(e)}
+        return Cost(skipped=str(e))
     finally:
         for d in loaded:
             engine.release_draft(d)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def table_lines(cost: dict) -> list[str]:
+def table_lines(cost: Cost) -> list[str]:
     """The cost table as aligned text lines (report and demo); +- is one standard error over prompts."""
-    if "rows" not in cost:
-        return [f"cost not measured: {cost.get('skipped', 'no table')}"]
+    if cost.skipped is not None or not cost.rows:
+        return [f"cost not measured: {cost.skipped or 'no table'}"]
     out = [f"{'configuration':<26} {'draft config':<16} {'accept len':>12} {'per position':<16} {'decode tok/s':>18}"]
-    for r in cost["rows"]:
-        if "skipped" in r:
-            out.append(f"{r['configuration']:<26} {r['skipped']}")
+    for r in cost.rows:
+        if r.skipped is not None:
+            out.append(f"{r.configuration:<26} {r.skipped}")
             continue
         acc = "-"
-        if r["mean_acceptance_length"] is not None:
-            acc = f"{r['mean_acceptance_length']:.2f}" + (
-                f" +-{r['mean_acceptance_length_se']:.2f}" if r.get("mean_acceptance_length_se") is not None else ""
+        if r.mean_acceptance_length is not None:
+            acc = f"{r.mean_acceptance_length:.2f}" + (
+                f" +-{r.mean_acceptance_length_se:.2f}" if r.mean_acceptance_length_se is not None else ""
             )
-        per = " ".join(f"{a:.2f}" for a in r["acceptance_per_pos"]) if r["acceptance_per_pos"] else "-"
-        speed = f"{r['decode_tokens_per_s']:.1f}"
-        if r.get("decode_tokens_per_s_se") is not None:
-            speed += f" +-{r['decode_tokens_per_s_se']:.1f}"
-        if "speedup_vs_no_speculation" in r:
-            speed += f" ({r['speedup_vs_no_speculation']:.2f}x)"
-        out.append(f"{r['configuration']:<26} {r['draft_config']:<16} {acc:>12} {per:<16} {speed:>18}")
+        per = " ".join(f"{a:.2f}" for a in r.acceptance_per_pos) if r.acceptance_per_pos else "-"
+        speed = f"{r.decode_tokens_per_s:.1f}"
+        if r.decode_tokens_per_s_se is not None:
+            speed += f" +-{r.decode_tokens_per_s_se:.1f}"
+        if r.speedup_vs_no_speculation is not None:
+            speed += f" ({r.speedup_vs_no_speculation:.2f}x)"
+        out.append(f"{r.configuration:<26} {r.draft_config:<16} {acc:>12} {per:<16} {speed:>18}")
     return out

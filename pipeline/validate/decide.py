@@ -25,11 +25,20 @@ from pipeline.validate import feed as F
 from pipeline.validate.case import Case, deployment
 from pipeline.validate.gate import check_slots, fix_hint, label
 from pipeline.validate.replay import replay
+from schemas.acceptance import HeldoutAcceptance
 from schemas.artifact import (
     DraftArtifactManifest,
 )
 from schemas.capture import CapturePoint
-from schemas.validation import SlotCheck, ValidateConfig, ValidationReport
+from schemas.validation import (
+    AcceptanceSection,
+    EngineReads,
+    Feed,
+    SlotCheck,
+    SlotFeed,
+    ValidateConfig,
+    ValidationReport,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,25 +51,22 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
     identity, res = checks.identity(case.manifest.target, case.serving_id, case.manifest.provenance != "fingerprints")
     if reading is not None:
         reasons = res.reasons + checks.reading_rule(case.readings, trained, s.engine, draft_cfg_path.name, n).reasons
-        engine_reads = {
-            **reading.as_dict(n),
-            "release": release,
-            "other_runners": [r.as_dict(n) for r in case.readings[1:]],
-        }
+        engine_reads = reading.reads(n).model_copy(
+            update={"release": release, "other_runners": [r.reads(n) for r in case.readings[1:]]}
+        )
     else:
         reasons = res.reasons
-        engine_reads = {
-            "rule": None,
-            "release": release,
-            "no_rule": case.no_rule,
-            "note": f"no derived rule for {s.engine} {release} ({case.family}): the verdict follows the "
+        engine_reads = EngineReads(
+            release=release,
+            no_rule=case.no_rule,
+            note=f"no derived rule for {s.engine} {release} ({case.family}): the verdict follows the "
             f"measured feed; python -m pipeline.conventions.derive --engine {s.engine} --release "
             f"{release} adds it",
-        }
+        )
     replayed = replay(engine, fp, n, s.target.path)
     got, res = checks.installed_release(s, release)
     if got is not None:
-        engine_reads["replayed_with"] = f"{s.engine} {got}"
+        engine_reads.replayed_with = f"{s.engine} {got}"
     reasons += res.reasons
     wrong_release = bool(res.reasons)
 
@@ -80,8 +86,7 @@ def decide(case: Case, engine: TargetEngine) -> ValidationReport:
 
     fed = [x.fed for x in slots]
     accept = measure_acceptance(cfg, case.manifest, art, fp, fed, trained, served, blocked=bool(reasons))
-    found, more = acceptance.check(cfg, accept)
-    accept = {**accept, **found}
+    accept, more = acceptance.check(cfg, accept)
     reasons += more
 
     sc = deployment(cfg, case.draft_cfg_bytes, case.serving_id.key, case.family, release)
@@ -128,7 +133,7 @@ def provenance(m: DraftArtifactManifest) -> dict:
 
 def slot_table(
     case: Case, engine: TargetEngine, replayed: dict, wrong_release: bool
-) -> tuple[ServeResult | None, list[SlotCheck], dict, list[str]]:
+) -> tuple[ServeResult | None, list[SlotCheck], Feed, list[str]]:
     """Serve the draft as configured and measure what reaches its fc where the engine can run
     it; otherwise the rule's prediction fills the slot table. Returns (served, slots, the
     report's feed section, reasons)."""
@@ -143,7 +148,7 @@ def slot_table(
                 f"({why}): nothing says what it feeds the draft",
             ]
         slots = check_slots(trained, predicted, fp.sketches, replayed, n, cfg.tolerances, predicted=predicted)
-        return served, slots, ({"not_measured": why} if why else {}), reasons
+        return served, slots, Feed(not_measured=why), reasons
 
     servable = (
         s.replay == "engine"
@@ -172,9 +177,9 @@ def slot_table(
         return by_rule(None, reason, [reason])
     if served.feed is None:  # an engine whose draft inputs cannot be observed: its rule decides
         return by_rule(served, "the engine's feed is not observable", [])
-    measured, unmatched, feed = _measured_feed(cfg, fp, engine, served, replayed, trained, n)
-    feed["disagreements"] = checks.feed_vs_rule(measured, reading.points, reading.rule, n) if reading else []
-    for line in feed["disagreements"]:
+    measured, unmatched, feed, reasons = _measured_feed(cfg, fp, engine, served, replayed, trained, n)
+    feed.disagreements = checks.feed_vs_rule(measured, reading.points, reading.rule, n) if reading else []
+    for line in feed.disagreements:
         log.warning("%s", line)
     slots = check_slots(
         trained,
@@ -187,7 +192,7 @@ def slot_table(
         predicted=predicted,
         unmatched=unmatched,
     )
-    return served, slots, feed, feed.pop("reasons")
+    return served, slots, feed, reasons
 
 
 def _measured_feed(
@@ -198,8 +203,9 @@ def _measured_feed(
     replayed: dict,
     trained: list[CapturePoint],
     n: int,
-) -> tuple[list[CapturePoint | None], list[str], dict]:
-    """Per slot, the boundary the engine fed (None: none matched), and the report's feed section."""
+) -> tuple[list[CapturePoint | None], list[str], Feed, list[str]]:
+    """Per slot, the boundary the engine fed (None: none matched), the unmatched slots described, the
+    report's feed section and the reasons to block it gives."""
     import torch
 
     # Every residual boundary the engine captures (engines never feed post-norm states).
@@ -245,25 +251,24 @@ def _measured_feed(
         )
     for line in deviations:
         log.warning("%s", line)
-    section = {
-        "measured_with": f"{engine.name} {engine.version}: what its draft's fc received",
-        "reasons": reasons,
-        "recorded_rows": {"prefill": m.prefill[0].rows, "verify": m.verify[0].rows if m.verify else 0},
-        "prefill": [x.describe(lab) for x in m.prefill],
-        "verify": [x.describe(lab) for x in m.verify] if m.verify else "no verify-step rows recorded",
-        "vs_training_rel_l2": m.vs_training,
-        "verify_deviations": deviations,
-        "slots": [
-            {
-                "prefill": x.best,
-                "verify": (m.verify[i].best if m.verify else None),
-                "prefill_errors": x.errors,
-                "verify_errors": (m.verify[i].errors if m.verify else None),
-            }
+    section = Feed(
+        measured_with=f"{engine.name} {engine.version}: what its draft's fc received",
+        recorded_rows={"prefill": m.prefill[0].rows, "verify": m.verify[0].rows if m.verify else 0},
+        prefill=[x.describe(lab) for x in m.prefill],
+        verify=[x.describe(lab) for x in m.verify] if m.verify else "no verify-step rows recorded",
+        vs_training_rel_l2=m.vs_training,
+        verify_deviations=deviations,
+        slots=[
+            SlotFeed(
+                prefill=x.best,
+                verify=m.verify[i].best if m.verify else None,
+                prefill_errors=x.errors,
+                verify_errors=m.verify[i].errors if m.verify else None,
+            )
             for i, x in enumerate(m.prefill)
         ],
-    }
-    return fed, unmatched, section
+    )
+    return fed, unmatched, section, reasons
 
 
 def measure_acceptance(
@@ -275,20 +280,21 @@ def measure_acceptance(
     trained: list,
     served: ServeResult | None,
     blocked: bool,
-) -> dict:
+) -> AcceptanceSection:
     if cfg.acceptance_prompts == 0:
-        return {"skipped": "acceptance_prompts = 0"}
+        return AcceptanceSection(skipped="acceptance_prompts = 0")
     if any(f is None for f in fed) or len(fed) != len(trained):
-        return {"skipped": "the engine would not feed the draft's slots"}
+        return AcceptanceSection(skipped="the engine would not feed the draft's slots")
     if cfg.serving.replay == "engine" and served is None:
-        return {"skipped": f"not served through {cfg.serving.engine}: the rule or release check already blocks it"}
+        return AcceptanceSection(
+            skipped=f"not served through {cfg.serving.engine}: the rule or release check already blocks it"
+        )
     ps = acceptance.prompts(cfg, fp)
-    ref = acceptance.reference(cfg, art, ps, fed)
-    out = {**served.acceptance, "reference": ref} if served is not None else ref
-    if blocked and served is not None:
-        out["note"] = "measured for the report only: this configuration is blocked"
-    return {
-        **out,
-        "predicted_accepted_per_step": acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens),
-        "heldout_at_training": manifest.metrics.get("heldout_acceptance"),
-    }
+    held = manifest.metrics.get("heldout_acceptance")
+    return AcceptanceSection(
+        served=served.acceptance if served is not None else None,
+        reference=acceptance.reference(cfg, art, ps, fed),
+        note="measured for the report only: this configuration is blocked" if blocked and served is not None else None,
+        predicted_accepted_per_step=acceptance.predicted_accepted_per_step(manifest, cfg.speculative_tokens),
+        heldout_at_training=HeldoutAcceptance.model_validate(held) if held and "skipped" not in held else None,
+    )

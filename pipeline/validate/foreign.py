@@ -71,9 +71,9 @@ def compare_with_serving(probe: Probe) -> None:
     ]
     r.serving = {
         "deployment": v.serving,
-        "engine_reads": v.engine_reads,
+        "engine_reads": v.engine_reads.model_dump(mode="json"),
         "slots": fed,
-        "acceptance": v.acceptance,
+        "acceptance": v.acceptance.model_dump(mode="json"),
         "validation_reasons": v.reasons,
     }
     r.reasons = v.reasons

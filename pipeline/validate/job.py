@@ -22,7 +22,7 @@ from pipeline.validate.replay import open_replay_engine
 from pipeline.validate.report import write_report
 from schemas.config import load_config
 from schemas.registry import Deployment, ValidationRecord
-from schemas.validation import ValidateConfig, ValidationReport
+from schemas.validation import Cost, ValidateConfig, ValidationReport
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def run_validate(cfg: ValidateConfig, engine: TargetEngine | None = None) -> Val
     return report
 
 
-def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
+def blocked_cost(case: Case, engine: TargetEngine) -> Cost | None:
     """The cost table for a blocked configuration, where the serving engine itself runs here
     (None when validation was not asked to run it: ``replay: hf`` or no acceptance prompts)."""
     cfg, s = case.cfg, case.cfg.serving
@@ -77,10 +77,10 @@ def blocked_cost(case: Case, engine: TargetEngine) -> dict | None:
         return None
     got, wrong = checks.installed_release(s, case.release)
     if wrong.reasons:
-        return {"skipped": f"the installed {s.engine} {got} is not the serving release {case.release}"}
+        return Cost(skipped=f"the installed {s.engine} {got} is not the serving release {case.release}")
     reading = case.reading
     if reading is None:
-        return {"skipped": f"no derived rule for {s.engine} {case.release}: the correct ids are not known"}
+        return Cost(skipped=f"no derived rule for {s.engine} {case.release}: the correct ids are not known")
     return cost_table(
         engine,
         case.art,

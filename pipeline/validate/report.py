@@ -9,55 +9,53 @@ from pipeline import conventions
 from pipeline.acceptance import acceptance_length, line
 from pipeline.validate.cost import table_lines
 from pipeline.validate.gate import label
+from schemas.acceptance import Acceptance
 from schemas.capture import CapturePoint
-from schemas.validation import ValidationReport
+from schemas.validation import AcceptanceSection, ValidationReport
 
 
 def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     """The terminal verdict: decision, what the engine reads, each slot, identity, acceptance, reasons."""
+    e, f = r.engine_reads, r.feed
     lines = [
         f"{r.decision.upper()}: artifact {r.artifact_digest[:16]} for {r.serving['engine']} "
         f"{r.serving['engine_version']} ({r.serving['dtype']}), serving key {r.serving_key}",
-        f"{indent}{r.engine_reads.get('rule', r.serving['engine'])} reads {r.engine_reads['key']} = "
-        f"{r.engine_reads['ids']} -> rule predicts {r.engine_reads['labels']}",
+        f"{indent}{e.rule or r.serving['engine']} reads {e.key} = {e.ids} -> rule predicts {e.labels}",
     ]
     if r.provenance.get("summary"):
         lines.append(f"{indent}trained points {r.provenance['trained_points']}: {r.provenance['summary']}")
-    if "prefill" in r.feed:
-        lines.append(
-            f"{indent}measured feed ({r.feed.get('measured_with')}): prefill {r.feed['prefill']}; "
-            f"verify steps {r.feed['verify']}"
-        )
-    elif "not_measured" in r.feed:
-        lines.append(f"{indent}feed not measured: {r.feed['not_measured']}")
-    lines += [f"{indent}RULE TABLE DISAGREES: {x}" for x in r.feed.get("disagreements", [])]
-    lines += [f"{indent}note {x}" for x in r.feed.get("verify_deviations", [])]
+    if f.measured:
+        lines.append(f"{indent}measured feed ({f.measured_with}): prefill {f.prefill}; verify steps {f.verify}")
+    elif f.not_measured:
+        lines.append(f"{indent}feed not measured: {f.not_measured}")
+    lines += [f"{indent}RULE TABLE DISAGREES: {x}" for x in f.disagreements]
+    lines += [f"{indent}note {x}" for x in f.verify_deviations]
     lines += [f"{indent}{'ok ' if s.ok else 'BAD'} {s.message}" for s in r.slots]
     lines += [f"{indent}BAD identity {c.message}" for c in r.identity if not c.ok]
-    if "mean_acceptance_length" in r.acceptance:
-        a = r.acceptance
+    a = r.acceptance
+    if a.measured is not None:
         lines += [f"{indent}acceptance, {name}: {line(m)}" for name, m in measurements(a)]
         lines.append(
-            f"{indent}  lossless (same tokens as target-only greedy): {a['lossless']}"
+            f"{indent}  lossless (same tokens as target-only greedy): {a.measured.lossless}"
             + (
                 f"; training accuracy predicted mean length "
-                f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (reported, not gated)"
-                if a.get("predicted_accepted_per_step") is not None
+                f"{acceptance_length(a.predicted_accepted_per_step):.2f} (reported, not gated)"
+                if a.predicted_accepted_per_step is not None
                 else ""
             )
         )
-        vs = a.get("vs_heldout") or {}
-        if "measured" in vs:
+        vs = a.vs_heldout
+        if vs is not None and vs.measured is not None:
             lines.append(
-                f"{indent}  vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at "
-                f"training (first {vs['k']} positions; gate threshold {vs['threshold']:.2f}"
-                f"{'' if vs['gated'] else ', not gated: ' + vs.get('why', '')})"
+                f"{indent}  vs training: {vs.measured:.2f} accepted per step here, {vs.heldout:.2f} at "
+                f"training (first {vs.k} positions; gate threshold {vs.threshold:.2f}"
+                f"{'' if vs.gated else ', not gated: ' + (vs.why or '')})"
             )
     lines += [f"{indent}- {x}" for x in r.reasons]
     if r.cost is not None:
         lines.append(
-            f"{indent}what this configuration would cost ({r.cost.get('measured_by', '')}, "
-            f"{r.cost.get('prompts', 0)} held-out prompts, report only):"
+            f"{indent}what this configuration would cost ({r.cost.measured_by or ''}, "
+            f"{r.cost.prompts or 0} held-out prompts, report only):"
         )
         lines += [f"{indent}  {x}" for x in table_lines(r.cost)]
     if r.report_dir:
@@ -65,44 +63,46 @@ def summary(r: ValidationReport, indent: str = "  ") -> list[str]:
     return lines
 
 
-def measurements(a: dict) -> list[tuple[str, dict]]:
+def measurements(a: AcceptanceSection) -> list[tuple[str, Acceptance]]:
     """The acceptance measurements a report holds, one definition (``pipeline.acceptance``): the
     draft served as configured, the reference decoding fed the same points, and training's."""
-    out = [("served as configured" if "reference" in a else "reference decoding", a)]
-    if "mean_acceptance_length" in (a.get("reference") or {}):
-        out.append(("reference decoding, the points the engine feeds", a["reference"]))
-    held = a.get("heldout_at_training") or {}
-    if "mean_acceptance_length" in held:
-        out.append(("at training, held-out prompts", held))
+    out: list[tuple[str, Acceptance]] = []
+    if a.served is not None:
+        out.append(("served as configured", a.served))
+    if a.reference is not None:
+        name = "reference decoding, the points the engine feeds" if a.served is not None else "reference decoding"
+        out.append((name, a.reference))
+    if a.heldout_at_training is not None:
+        out.append(("at training, held-out prompts", a.heldout_at_training))
     return out
 
 
-def acceptance_table(a: dict) -> list[str]:
+def acceptance_table(a: AcceptanceSection) -> list[str]:
     """The report's acceptance section: one Markdown row per measurement."""
-    if "mean_acceptance_length" not in a:
-        return [f"not measured: {a.get('skipped', 'no acceptance prompts')}"]
+    if a.measured is None:
+        return [f"not measured: {a.skipped or 'no acceptance prompts'}"]
     rows = [
         "| configuration | measured by | prompts | verify steps | mean length +- SE | per position |",
         "|---|---|---|---|---|---|",
     ]
     for name, m in measurements(a):
-        se = f" +- {m['se']:.2f}" if m.get("se") is not None else ""
-        per = " ".join(f"{x:.2f}" for x in m["acceptance_per_pos"]) if m.get("acceptance_per_pos") else "-"
+        se = f" +- {m.se:.2f}" if m.se is not None else ""
+        per = " ".join(f"{x:.2f}" for x in m.acceptance_per_pos) if m.acceptance_per_pos else "-"
         rows.append(
-            f"| {name} | {m['measured_by']} | {m.get('prompts') if m.get('prompts') is not None else '-'} | "
-            f"{m['verify_steps']} | {m['mean_acceptance_length']:.2f}{se} | {per} |"
+            f"| {name} | {m.measured_by} | {m.prompts if m.prompts is not None else '-'} | "
+            f"{m.verify_steps} | {m.mean_acceptance_length:.2f}{se} | {per} |"
         )
-    notes = [f"- lossless: {a.get('lossless')}" + (f" ({a['lossless_note']})" if a.get("lossless_note") else "")]
-    if a.get("predicted_accepted_per_step") is not None:
+    notes = [f"- lossless: {a.measured.lossless}" + (f" ({a.lossless_note})" if a.lossless_note else "")]
+    if a.predicted_accepted_per_step is not None:
         notes.append(
             f"- training accuracy predicts a mean length of "
-            f"{acceptance_length(a['predicted_accepted_per_step']):.2f} (teacher-forced; reported, not gated)"
+            f"{acceptance_length(a.predicted_accepted_per_step):.2f} (teacher-forced; reported, not gated)"
         )
-    vs = a.get("vs_heldout") or {}
-    if "measured" in vs:
+    vs = a.vs_heldout
+    if vs is not None and vs.measured is not None:
         notes.append(
-            f"- vs training: {vs['measured']:.2f} accepted per step here, {vs['heldout']:.2f} at training "
-            f"(gate threshold {vs['threshold']:.2f}{'' if vs['gated'] else '; not gated: ' + vs.get('why', '')})"
+            f"- vs training: {vs.measured:.2f} accepted per step here, {vs.heldout:.2f} at training "
+            f"(gate threshold {vs.threshold:.2f}{'' if vs.gated else '; not gated: ' + (vs.why or '')})"
         )
     return [*rows, "", *notes]
 
@@ -118,15 +118,11 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
         "",
         f"- artifact `{r.artifact_digest[:16]}`, serving `{r.serving['engine']} {r.serving['engine_version']}` "
         f"({r.serving['dtype']}, TP {r.serving['tp_size']}, key `{r.serving_key}`)",
-        f"- {r.engine_reads.get('rule', 'the engine')} reads `{r.engine_reads['key']}` = `{r.engine_reads['ids']}` "
-        f"-> its rule predicts {r.engine_reads['labels']} ({r.engine_reads.get('source', '')})",
-        *(
-            f"- measured feed: prefill {r.feed['prefill']}; verify steps {r.feed['verify']}"
-            for _ in [0]
-            if "prefill" in r.feed
-        ),
-        *(f"- **rule table disagrees**: {x}" for x in r.feed.get("disagreements", [])),
-        *(f"- note (not blocking): {x}" for x in r.feed.get("verify_deviations", [])),
+        f"- {r.engine_reads.rule or 'the engine'} reads `{r.engine_reads.key}` = `{r.engine_reads.ids}` "
+        f"-> its rule predicts {r.engine_reads.labels} ({r.engine_reads.source or ''})",
+        *([f"- measured feed: prefill {r.feed.prefill}; verify steps {r.feed.verify}"] if r.feed.measured else []),
+        *(f"- **rule table disagrees**: {x}" for x in r.feed.disagreements),
+        *(f"- note (not blocking): {x}" for x in r.feed.verify_deviations),
         "",
     ]
     if r.reasons:
@@ -160,7 +156,7 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
             [
                 "## What this configuration would cost (measured, report only)",
                 "",
-                r.cost.get("note", ""),
+                r.cost.note or "",
                 "",
                 "```",
                 *table_lines(r.cost),

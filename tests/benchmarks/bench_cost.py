@@ -41,7 +41,7 @@ from schemas.capture import CapturePoint  # noqa: E402
 from schemas.config import load_config  # noqa: E402
 from schemas.extract import ExtractConfig  # noqa: E402
 from schemas.train import TrainConfig  # noqa: E402
-from schemas.validation import ValidateConfig  # noqa: E402
+from schemas.validation import Cost, ValidateConfig  # noqa: E402
 
 LAYERS = 12
 # Wrong configurations as the capture points they make vLLM feed, from the trained points.
@@ -90,9 +90,9 @@ def serve(root: Path, art: Path) -> dict:
                 }
             )
         )
-        tables[name] = {"ids": cfg[AUX_KEY], "decision": r.decision, "cost": r.cost}
+        tables[name] = {"ids": cfg[AUX_KEY], "decision": r.decision, "cost": r.cost.model_dump() if r.cost else {}}
         print(f"\n{art.parent.parent.name}, {name}: {r.decision}")
-        print("\n".join(table_lines(r.cost or {})))
+        print("\n".join(table_lines(r.cost or Cost(skipped="not measured"))))
     return tables
 
 

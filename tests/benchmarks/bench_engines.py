@@ -154,16 +154,16 @@ def main() -> None:
         "acceptance": {
             "decision": r.decision,
             "reasons": r.reasons,
-            "k": acc.get("k"),
-            "vllm": {
-                x: acc.get(x)
-                for x in ("mean_acceptance_length", "acceptance_per_pos", "verify_steps", "draft_tokens", "lossless")
-            },
-            "reference": {
-                x: acc["reference"].get(x)
-                for x in ("mean_acceptance_length", "acceptance_per_pos", "verify_steps", "lossless")
-            }
-            if "reference" in acc
+            "k": acc.measured.k if acc.measured else None,
+            "vllm": acc.served.model_dump(
+                include={"mean_acceptance_length", "acceptance_per_pos", "verify_steps", "draft_tokens", "lossless"}
+            )
+            if acc.served
+            else None,
+            "reference": acc.reference.model_dump(
+                include={"mean_acceptance_length", "acceptance_per_pos", "verify_steps", "lossless"}
+            )
+            if acc.reference
             else None,
         },
     }

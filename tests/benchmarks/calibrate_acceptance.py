@@ -104,7 +104,9 @@ def case(art: Path, target: Path, dtype: str, prompts: int, new_tokens: int, dra
             {"artifact": str(art), "acceptance_prompts": prompts, "max_new_tokens": new_tokens, "serving": serving}
         )
     )
-    a, vs = r.acceptance, r.acceptance.get("vs_heldout") or {}
+    a = r.acceptance
+    vs = a.vs_heldout.model_dump() if a.vs_heldout else {}
+    m = a.measured
     row = {
         "dtype": dtype,
         "prompts": prompts,
@@ -115,14 +117,14 @@ def case(art: Path, target: Path, dtype: str, prompts: int, new_tokens: int, dra
         "heldout": vs.get("heldout"),
         "se": vs.get("se"),
         "gated": vs.get("gated"),
-        "verify_steps": a.get("verify_steps"),
-        "predicted_teacher_forced": a.get("predicted_accepted_per_step"),
+        "verify_steps": m.verify_steps if m else None,
+        "predicted_teacher_forced": a.predicted_accepted_per_step,
     }
     if vs.get("heldout"):
         row["b_max"] = (vs["measured"] + Z * vs["se"]) / vs["heldout"]
         row["ratio"] = vs["measured"] / vs["heldout"]
-    if a.get("predicted_accepted_per_step"):
-        row["ratio_to_teacher_forced"] = a["accepted_per_step"] / a["predicted_accepted_per_step"]
+    if a.predicted_accepted_per_step and m:
+        row["ratio_to_teacher_forced"] = m.accepted_per_step / a.predicted_accepted_per_step
     return row
 
 

@@ -42,6 +42,7 @@ from pipeline.engines.packing import pack_by_tokens
 from pipeline.engines.refs import sglang_engine_ref, sglang_release
 from pipeline.engines.sglang.server import SGLangServer, require_install
 from pipeline.identity import target_config, target_identity
+from schemas.acceptance import Acceptance
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -50,7 +51,7 @@ def can_capture(point: CapturePoint, num_layers: int, family: str, version: str 
     return conventions.native_id(point, "sglang", num_layers, family, sglang_release(version)) is not None
 
 
-def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: int) -> dict:
+def acceptance_from_meta(meta_infos: list[dict], outputs: list[list[int]], k: int) -> Acceptance:
     """SGLang's per-request speculative counters, summed and reconciled with the emitted tokens.
 
     Measured on SGLang 0.5.18: the prefill emits one token, then each verify step emits the drafts

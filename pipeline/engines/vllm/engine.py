@@ -40,6 +40,7 @@ from pipeline.engines.packing import pack_by_tokens
 from pipeline.engines.refs import vllm_engine_ref, vllm_version
 from pipeline.engines.vllm.feed import EXTENSION
 from pipeline.identity import target_config, text_config
+from schemas.acceptance import Acceptance
 from schemas.capture import CapturePoint
 from schemas.provenance import EngineRef
 
@@ -252,7 +253,7 @@ class VLLMEngine(TargetEngine):
         tokens, stats, calls = eng.generate_recording(prompts, max_new_tokens)
         return ServeResult(tokens, self._acceptance(k, stats, tokens), calls)
 
-    def _acceptance(self, k: int, stats: list[SpecDecodeStats], outputs: list[list[int]]) -> dict:
+    def _acceptance(self, k: int, stats: list[SpecDecodeStats], outputs: list[list[int]]) -> Acceptance:
         """vLLM's counters per prompt, as ``pipeline.acceptance`` defines acceptance."""
         for i, (st, out) in enumerate(zip(stats, outputs, strict=True)):
             if len(out) > 1 and st.num_drafts == 0:  # every token after the prefill's is a verify step's
