@@ -50,7 +50,7 @@ def test_validate_json_through_vllm_is_one_document_on_stdout(vllm_engine, train
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)  # the whole of stdout: one JSON document
-    assert report["decision"] == "pass" and report["acceptance"]["measured_by"].startswith("vllm")
+    assert report["decision"] == "pass" and report["acceptance"]["served"]["measured_by"].startswith("vllm")
     assert "vllm" in run.stderr.lower()  # vLLM's own logs were there, on stderr
 
 
