@@ -27,7 +27,9 @@ class EngineConfig(Strict):
     batch_tokens: int = Field(
         16384, gt=0, description="tokens per forward batch: samples packed end to end, never padded"
     )
-    tp_size: int = Field(1, ge=1, description="tensor parallel GPUs per extraction actor (vllm, sglang)")
+    tp_size: int = Field(
+        1, ge=1, description="tensor-parallel ranks per extraction actor (vllm, sglang): its GPUs, or its cores on CPU"
+    )
     max_model_len: int = Field(4096, gt=1, description="vllm/sglang context length; >= max_length + 1")
 
 
@@ -114,10 +116,15 @@ class ExtractConfig(Strict):
                 "engine.tp_size > 1 needs engine vllm or sglang; the hf engine splits a large target "
                 "layer-wise over the actor's GPUs instead (set ray.gpus_per_actor)"
             )
-        if e.tp_size > 1 and self.ray.gpus_per_actor != e.tp_size:
+        if e.tp_size > 1 and self.ray.gpus_per_actor not in (0, e.tp_size):
             raise ValueError(
                 f"ray.gpus_per_actor must equal engine.tp_size ({e.tp_size}): each extraction actor "
                 f"hosts one tensor-parallel replica of the target, got {self.ray.gpus_per_actor}"
+            )
+        if e.tp_size > 1 and self.ray.gpus_per_actor == 0 and self.ray.cpus_per_actor < e.tp_size:
+            raise ValueError(
+                f"engine.tp_size {e.tp_size} on CPU (ray.gpus_per_actor 0) runs one engine worker per core: "
+                f"ray.cpus_per_actor must be at least {e.tp_size}, got {self.ray.cpus_per_actor:g}"
             )
         if e.name != "hf" and e.max_model_len < self.max_length + 1:
             raise ValueError(f"engine.max_model_len {e.max_model_len} must exceed max_length {self.max_length}")

