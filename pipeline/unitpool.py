@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from tqdm import tqdm
 
 from pipeline.cluster import stalled
+from pipeline.placement import Placement, place_actor
 from pipeline.store.fs import join, list_files, read_bytes
 from schemas.extract import RayConfig
 
@@ -56,20 +57,22 @@ class RayUnitPool:
         import ray
 
         self.r, self.what = r, what
-        remote = ray.remote(actor_cls).options(
-            num_cpus=r.cpus_per_actor,
-            num_gpus=r.gpus_per_actor or None,
-            max_restarts=ACTOR_RESTARTS,
-            max_task_retries=ACTOR_RESTARTS,
-        )
+        remote = ray.remote(actor_cls)
         # an idle actor would load the target for nothing
-        self.actors = [remote.remote(*args) for _ in range(max(1, min(r.num_actors, units)))]
+        n = max(1, min(r.num_actors, units))
+        self.placements: list[Placement] = []
+        self.actors = []
+        for _ in range(n):
+            self.placements.append(place_actor(r, r.stall_timeout_s))
+            opts = {**self.placements[-1].options, "max_restarts": ACTOR_RESTARTS, "max_task_retries": ACTOR_RESTARTS}
+            self.actors.append(remote.options(**opts).remote(*args))
         log.info(
-            "started %d %s(s) x %g CPU%s",
+            "started %d %s(s) x %g CPU%s%s",
             len(self.actors),
             what,
             r.cpus_per_actor,
             f" x {r.gpus_per_actor:g} GPU" if r.gpus_per_actor else "",
+            f" over {r.nodes_per_actor} nodes each" if r.nodes_per_actor > 1 else "",
         )
 
     def run(
@@ -134,6 +137,8 @@ class RayUnitPool:
         finally:
             for a in self.actors:
                 ray.kill(a)
+            for p in self.placements:
+                p.remove()
 
 
 class LocalUnitPool:

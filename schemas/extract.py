@@ -44,6 +44,12 @@ class RayConfig(Strict):
     num_actors: int = Field(1, ge=1)
     cpus_per_actor: float = Field(1.0, gt=0)
     gpus_per_actor: float = Field(0, ge=0)
+    nodes_per_actor: int = Field(
+        1,
+        ge=1,
+        description="nodes one capture actor spans, for a target larger than a node: its gpus_per_actor "
+        "(= engine.tp_size) are a placement group over this many nodes, filled by vLLM's Ray executor",
+    )
     resource_wait_s: float = Field(
         600,
         ge=0,
@@ -126,6 +132,23 @@ class ExtractConfig(Strict):
                 f"engine.tp_size {e.tp_size} on CPU (ray.gpus_per_actor 0) runs one engine worker per core: "
                 f"ray.cpus_per_actor must be at least {e.tp_size}, got {self.ray.cpus_per_actor:g}"
             )
+        r = self.ray
+        if r.nodes_per_actor > 1:
+            if e.name != "vllm":
+                raise ValueError(
+                    f"ray.nodes_per_actor {r.nodes_per_actor} needs engine vllm (its Ray executor spans nodes); "
+                    f"engine {e.name} runs inside one node"
+                )
+            if (
+                not r.gpus_per_actor
+                or r.gpus_per_actor % r.nodes_per_actor
+                or r.gpus_per_actor != int(r.gpus_per_actor)
+            ):
+                raise ValueError(
+                    f"ray.nodes_per_actor {r.nodes_per_actor} spreads the actor's GPUs evenly over its nodes: "
+                    f"ray.gpus_per_actor (= engine.tp_size) must be a whole multiple of it, got {r.gpus_per_actor:g} "
+                    "(vLLM's CPU build has no Ray executor, so a spanning actor needs GPUs)"
+                )
         if e.name != "hf" and e.max_model_len < self.max_length + 1:
             raise ValueError(f"engine.max_model_len {e.max_model_len} must exceed max_length {self.max_length}")
         if e.name != "hf":

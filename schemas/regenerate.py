@@ -61,6 +61,11 @@ class RegenerateConfig(Strict):
                 f"engine.max_model_len {e.max_model_len} must hold max_length {self.max_length} + "
                 f"max_new_tokens {self.max_new_tokens}"
             )
+        if self.ray.nodes_per_actor > 1:
+            raise ValueError(
+                f"ray.nodes_per_actor {self.ray.nodes_per_actor}: regeneration runs each actor inside one node "
+                "(only extraction spans nodes): set it to 1"
+            )
         if e.name == "sglang" and self.sampling.temperature > 0:
             raise ValueError(
                 "sampling.temperature > 0 with engine sglang: seeded sampling is supported on hf and "

@@ -176,3 +176,17 @@ def test_deepspeed_configs_are_accepted_by_deepspeed(path, tiny_target, tmp_path
     )
     with pytest.raises(ValueError, match="disagrees with deepspeed.zero_stage"):
         ds_config(bad)
+
+
+def test_the_multinode_extraction_config_spans_whole_nodes():
+    """One actor over two 8-GPU nodes: 16 GPU bundles plus the actor's own, refused on one node."""
+    from pipeline.errors import UnusableInput
+    from pipeline.placement import actor_bundles, check_nodes
+
+    cfg = load_config(INFRA / "configs" / "extract-multinode.yaml", ExtractConfig)
+    assert cfg.ray.nodes_per_actor == 2 and cfg.ray.gpus_per_actor == cfg.engine.tp_size == 16
+    assert actor_bundles(cfg.ray) == [{"CPU": 8}] + [{"GPU": 1.0}] * 16
+    node = {"Alive": True, "Resources": {"CPU": 96, "GPU": 8}}
+    check_nodes(cfg.ray, [node, node, {"Alive": True, "Resources": {"CPU": 8}}])
+    with pytest.raises(UnusableInput, match="need 2 nodes with 8 GPUs each"):
+        check_nodes(cfg.ray, [node, {**node, "Alive": False}])

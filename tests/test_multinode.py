@@ -129,3 +129,97 @@ def test_training_resumes_after_a_node_removed_mid_run(cluster, trained_run, tin
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
     assert steps and max(steps) == 12
     assert (out / "export" / "vllm" / "strata_artifact.json").exists()
+
+
+# -- a capture actor spanning nodes (a target larger than one node) ---------------------------
+SPANNING = """
+import json, sys
+import ray
+from pipeline.placement import check_nodes, place_actor
+from schemas.extract import RayConfig
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+r = RayConfig(num_actors=1, cpus_per_actor=0.5, gpus_per_actor=4, nodes_per_actor=2, stall_timeout_s=60)
+check_nodes(r)
+placed = place_actor(r, r.stall_timeout_s)
+
+
+@ray.remote(num_cpus=0, num_gpus=1)
+def rank():  # asks what vLLM's Ray executor asks for each worker (ray_executor.py: num_cpus=0, one GPU)
+    return ray.get_runtime_context().get_node_id()
+
+
+@ray.remote
+class Actor:
+    def inside(self):
+        pg = ray.util.get_current_placement_group()  # what vLLM's Ray executor looks up
+        return {
+            "group": pg.id.hex(),
+            "bundles": pg.bundle_specs,
+            "node": ray.get_runtime_context().get_node_id(),
+            "ranks": ray.get([rank.remote() for _ in range(4)]),
+        }
+
+
+a = Actor.options(**placed.options).remote()
+seen = ray.get(a.inside.remote())
+table = ray.util.placement_group_table(placed.group)
+print(json.dumps({**seen, "placed": placed.group.id.hex(), "bundle_nodes": table["bundles_to_node_id"]}))
+ray.kill(a)
+placed.remove()
+"""
+
+
+def test_a_capture_actor_spanning_nodes_owns_a_placement_group_vllm_can_fill(tmp_path):
+    """``ray.nodes_per_actor: 2`` with 4 GPUs (two nodes of 2, GPUs declared to Ray: none are needed
+    to place work): the actor runs in its own placement group, sees it as the current group (what
+    vLLM's Ray executor uses), the group keeps vLLM's rules (at most one GPU per bundle, one GPU
+    bundle per rank) and the ranks it starts land two on each GPU node."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    gpu_nodes = [c.add_node(num_cpus=1, num_gpus=2) for _ in range(2)]
+    c.wait_for_nodes()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", SPANNING, c.address], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        seen = json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        c.shutdown()
+    assert seen["group"] == seen["placed"]
+    assert seen["bundles"][0] == {"CPU": 0.5} and seen["bundles"][1:] == [{"GPU": 1.0}] * 4
+    ids = {n.node_id for n in gpu_nodes}
+    gpu_bundle_nodes = [seen["bundle_nodes"][str(i)] for i in range(1, 5)]  # JSON keys
+    assert sorted(gpu_bundle_nodes) == sorted(seen["ranks"])  # every rank ran in one of the group's GPU bundles
+    assert {n: seen["ranks"].count(n) for n in ids} == dict.fromkeys(ids, 2)
+
+
+def test_a_spanning_actor_is_refused_up_front_without_enough_whole_nodes(tiny_target, conversations, tmp_path):
+    """4 GPUs in total but not two nodes of 2 (3 + 1): the extraction job refuses before writing anything,
+    saying what the nodes have."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    c.add_node(num_cpus=1, num_gpus=3)
+    c.add_node(num_cpus=1, num_gpus=1)
+    c.wait_for_nodes()
+    out = tmp_path / "ds"
+    cfg = {
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(conversations)},
+        "output": {"uri": str(out)},
+        "capture": ["layer_output:1", "final:pre_norm"],
+        "engine": {"name": "vllm", "tp_size": 4},
+        "ray": {"num_actors": 1, "cpus_per_actor": 1, "gpus_per_actor": 4, "nodes_per_actor": 2, "resource_wait_s": 0},
+    }
+    try:
+        job = launch("extract", cfg, tmp_path, c.address)
+        job.wait(300)
+        err = job.stderr.read()
+    finally:
+        c.shutdown()
+    assert job.returncode != 0
+    assert "need 2 nodes with 2 GPUs each" in err and "the cluster's nodes have 3, 1, 0 GPUs" in err, err[-2000:]
+    assert not out.exists() or not any(out.iterdir())

@@ -262,3 +262,9 @@ def test_vllm_sampling_is_seeded_per_prompt_whatever_shares_its_batch(vllm_engin
     assert a == b and alone == a[1:2]
     assert all(len(x) > 0 for x in a) and a != c
     assert greedy != a  # temperature 1 on a random-init target is not its argmax
+
+
+def test_a_regeneration_actor_does_not_span_nodes(tiny_target, source, tmp_path):
+    """Only extraction places an actor over several nodes; a regeneration config that asks is refused."""
+    with pytest.raises(ValueError, match=r"ray.nodes_per_actor 2: regeneration runs each actor inside one node"):
+        regen_cfg(tiny_target, source, tmp_path / "out", ray={"nodes_per_actor": 2, "gpus_per_actor": 2})

@@ -123,8 +123,9 @@ def test_vllm_tensor_parallel_extraction_on_cpu_equals_tp1(
     assert max(worst.values()) < 1e-6  # fp32 rounding (TP 1 vs HF is the same order); neighbours are >0.28 apart
 
 
-def test_tensor_parallel_on_cpu_needs_a_core_per_rank(tiny_target, conversations, tmp_path):
-    """Checked before anything starts: the config names the actor's cores, the engine the process's."""
+def test_parallel_configs_are_checked_before_anything_starts(tiny_target, conversations, tmp_path):
+    """CPU tensor parallelism needs a core per rank (the config counts the actor's, the engine the
+    process's); an actor spanning nodes needs vLLM and whole GPUs per node."""
     from pipeline.engines.errors import EngineError
     from pipeline.engines.vllm.engine import cpu_binding
 
@@ -134,6 +135,16 @@ def test_tensor_parallel_on_cpu_needs_a_core_per_rank(tiny_target, conversations
         extract_cfg(
             tiny_target, conversations, tmp_path, "vllm", engine_tp=2, ray={"gpus_per_actor": 1, "cpus_per_actor": 2}
         )
+    # spanning nodes: vLLM's Ray executor on GPUs only, the GPUs evenly over the nodes
+    span = {"cpus_per_actor": 1, "nodes_per_actor": 2}
+    with pytest.raises(ValueError, match=r"ray.nodes_per_actor 2 needs engine vllm .* engine hf runs inside one node"):
+        extract_cfg(tiny_target, conversations, tmp_path, "hf", ray={**span, "gpus_per_actor": 4})
+    with pytest.raises(ValueError, match=r"must be a whole multiple of it, got 3 .*CPU build has no Ray executor"):
+        extract_cfg(tiny_target, conversations, tmp_path, "vllm", engine_tp=3, ray={**span, "gpus_per_actor": 3})
+    with pytest.raises(ValueError, match=r"must be a whole multiple of it, got 0"):
+        extract_cfg(tiny_target, conversations, tmp_path, "vllm", engine_tp=2, ray={**span, "cpus_per_actor": 2})
+    ok = extract_cfg(tiny_target, conversations, tmp_path, "vllm", engine_tp=4, ray={**span, "gpus_per_actor": 4})
+    assert ok.ray.nodes_per_actor == 2
     assert cpu_binding(2, [0, 1]) == "0|1"
     assert cpu_binding(2, [4, 0, 1, 2, 3]) == "0,1,2|3,4"  # contiguous groups, the first ones one larger
     with pytest.raises(EngineError, match=r"tp_size 4 on CPU .* needs at least 4 cores; this process may use 2"):

@@ -32,7 +32,10 @@ def open_engine(cfg: ExtractConfig) -> TargetEngine:
     if e.name == "vllm":
         from pipeline.engines.vllm.engine import VLLMEngine
 
-        return VLLMEngine(cfg.target.path, cfg.capture, e.dtype, e.tp_size, e.max_model_len, e.batch_tokens)
+        executor = "ray" if cfg.ray.nodes_per_actor > 1 else "mp"  # workers on other nodes: Ray places them
+        return VLLMEngine(
+            cfg.target.path, cfg.capture, e.dtype, e.tp_size, e.max_model_len, e.batch_tokens, executor=executor
+        )
     if e.name == "sglang":
         from pipeline.engines.sglang.engine import SGLangEngine
 

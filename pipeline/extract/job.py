@@ -15,6 +15,7 @@ import platform
 import pyarrow as pa
 
 import pipeline
+from pipeline import placement
 from pipeline.cluster import init_ray, require_resources
 from pipeline.conventions import boundary_label, describe_point, same_tensor
 from pipeline.data.source import regeneration_of, scan_source
@@ -152,14 +153,14 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         clock.start("ray_start")
         init_ray(cfg.ray.address, dashboard=False)
         r = cfg.ray
-        actor = {"CPU": r.cpus_per_actor, **({"GPU": r.gpus_per_actor} if r.gpus_per_actor else {})}
         gpus = f" x gpus_per_actor {r.gpus_per_actor:g}" if r.gpus_per_actor else ""
         require_resources(
             f"ray: {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g}{gpus}",
-            [actor] * r.num_actors,
+            placement.plan_bundles(r),
             "lower ray.cpus_per_actor or ray.num_actors",
             r.resource_wait_s,
         )
+        placement.check_nodes(r)
         clock.stop("ray_start")
     # One job per output at a time: a second one started on it refuses instead of racing.
     lease = Lease(open_store(cfg.output.uri, cfg.s3), "extract", ttl_s=LEASE_TTL_S)

@@ -67,7 +67,15 @@ def _target_shape(model_dir: str | Path) -> tuple[int, int]:
 _starts = 0
 
 
-def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: int, kv_cache_gib: float, **extra):
+def _start_llm(
+    model_dir: str | Path,
+    dtype: str,
+    tp_size: int,
+    max_model_len: int,
+    kv_cache_gib: float,
+    executor: str = "mp",
+    **extra,
+):
     """One vLLM ``LLM``; on CPU eager mode and a bounded KV cache (on GPU vLLM sizes it),
     prefix caching off everywhere (a reused prefix block must not stand in for a capture)."""
     try:
@@ -94,8 +102,10 @@ def _start_llm(model_dir: str | Path, dtype: str, tp_size: int, max_model_len: i
         f" with {extra['speculative_config'].get('method')}" if "speculative_config" in extra else "",
     )
     # TP workers run as local processes on the GPUs Ray gave this actor (ray.gpus_per_actor =
-    # tp_size), or on its cores on CPU: vLLM must not schedule them through Ray from inside a Ray actor.
-    parallel = {"distributed_executor_backend": "mp"} if tp_size > 1 else {}
+    # tp_size), or on its cores on CPU: vLLM must not schedule them through Ray from inside a Ray
+    # actor -- unless the actor spans nodes (executor "ray"), when vLLM's Ray executor fills the
+    # placement group the actor runs in (pipeline.placement).
+    parallel = {"distributed_executor_backend": executor} if tp_size > 1 else {}
     global _starts
     with _environ(bind):
         llm = LLM(
@@ -124,12 +134,9 @@ def cpu_binding(tp_size: int, cpus: list[int] | None = None) -> str:
             f"{tp_size} cores; this process may use {len(cpus)} ({cpus}): lower tp_size or give it more cores"
         )
     per, extra = divmod(len(cpus), tp_size)
-    groups, at = [], 0
-    for rank in range(tp_size):
-        n = per + (rank < extra)
-        groups.append(",".join(str(c) for c in cpus[at : at + n]))
-        at += n
-    return "|".join(groups)
+    left = iter(cpus)
+    sizes = [per + (rank < extra) for rank in range(tp_size)]
+    return "|".join(",".join(str(next(left)) for _ in range(size)) for size in sizes)
 
 
 @contextmanager
@@ -185,6 +192,7 @@ class VLLMEngine(TargetEngine):
         max_model_len: int = 4096,
         batch_tokens: int = 16384,
         kv_cache_gib: float = 1.0,
+        executor: str = "mp",
     ):
         self.version = vllm_version()
         self.model_dir = str(model_dir)
@@ -205,6 +213,7 @@ class VLLMEngine(TargetEngine):
             tp_size,
             max_model_len,
             kv_cache_gib,
+            executor,
             speculative_config={
                 "method": "extract_hidden_states",
                 "num_speculative_tokens": 1,
