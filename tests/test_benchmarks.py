@@ -142,3 +142,7 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     assert "job_ray_data_loading_windows" not in r  # not asked for
     assert r["plain_tokens_per_s"]["min"] > 0 and r["deepspeed_tokens_per_s"]["min"] > 0
     assert set(r["ratios"]) >= {"job_over_plain", "deepspeed_over_plain", "plain_compute_over_job_wall"}
+    # the plain loop as a process of its own, and each run's fixed cost (wall minus its steps at its steady rate)
+    (p,) = r["plain_process_fixed_s"]["runs"]
+    assert 0 < p < r["plain_process_wall_s"]["min"] and 0 < r["job_fixed_s"]["min"] < r["job_wall_s"]["min"]
+    assert r["ratios"]["job_fixed_beyond_plain_process_s"] == r["job_fixed_s"]["median"] - p

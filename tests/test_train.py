@@ -474,12 +474,13 @@ def test_a_plan_the_cluster_cannot_run_is_refused_not_left_hanging(ray_connected
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-worker-actor", "ray-train-group"])
 def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(
-    ray_connected, tiny_target, dataset, tmp_path
+    ray_connected, tiny_target, dataset, tmp_path, workers
 ):
     """The up-front check counts the cluster's CPUs, not who holds them: another job's actor that
-    takes them all leaves Ray Train waiting for its worker group, retrying forever by default.
-    The job gives up after stall_timeout_s and says what to do."""
+    takes them all leaves Ray Train waiting for its worker group, retrying forever by default (and a
+    one-worker run's actor pending). The job gives up after stall_timeout_s and says what to do."""
     import ray
 
     from pipeline.cluster import Stalled
@@ -492,7 +493,7 @@ def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(
     other = OtherJob.remote()
     ray.get(other.ready.remote(), timeout=120)
     cfg = TrainConfig.model_validate(
-        train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=1, cpus_per_worker=1, stall_timeout_s=2)
+        train_cfg(tiny_target, dataset, tmp_path / "run", num_workers=workers, cpus_per_worker=1, stall_timeout_s=2)
     )
     outcome: dict = {}
 
@@ -509,7 +510,7 @@ def test_workers_that_cannot_be_placed_fail_the_job_instead_of_waiting_forever(
     assert not job.is_alive(), "the job still waits for its worker group after 300 s"
     assert isinstance(outcome.get("error"), Stalled), outcome
     assert re.search(
-        r"train: the worker group \(1 x 1 CPU\) was not placed: nothing finished in 2 s\. .*another "
+        rf"train: the worker group \({workers} x 1 CPU\) was not placed: nothing finished in 2 s\. .*another "
         r"job may hold the CPUs.*stall_timeout_s",
         str(outcome["error"]),
     ), outcome["error"]

@@ -69,13 +69,16 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
     }
 
 
-def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool) -> dict:
-    """Measure (as a Ray task with ``use_ray``) and add the result to ``metrics.jsonl`` and
-    ``final_metrics.json``, which the export then carries into every artifact."""
+def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool, on=None) -> dict:
+    """Measure and add the result to ``metrics.jsonl`` and ``final_metrics.json``, which the export
+    then carries into every artifact. ``on``: the ``measure`` of a process that already holds the
+    worker's resources (a one-worker run's); else a Ray task with ``use_ray``, else here."""
     if cfg.heldout_acceptance.prompts == 0:
         return {"skipped": "heldout_acceptance.prompts = 0"}
     eval_acc = (metrics.get("eval") or {}).get("acc_per_pos") or []
-    if use_ray:  # on a worker with the resources the target needs, not on the driver
+    if on is not None:
+        result = on(cfg, aux, eval_acc)
+    elif use_ray:  # on a worker with the resources the target needs, not on the driver
         import ray
 
         init_ray(cfg.ray_address)

@@ -197,16 +197,28 @@ def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
     clock = Stopwatch()
     if use_ray:  # before anything is written
         with clock("ray_start"):
-            init_ray(cfg.ray_address)
+            # Ray Train's cleanup polls the dashboard's state API; a one-worker run uses no Ray Train
+            init_ray(cfg.ray_address, dashboard=cfg.num_workers > 1)
             check_resources(cfg)
     with clock("prepare"):  # verify shards, draft vocab, plan
         plan = prepare(cfg)
     plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
     plan_json = json.dumps(dataclasses.asdict(plan))
-    with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
-        result = _fit_on_ray(cfg, plan_json) if use_ray else _fit_in_process(plan_json)
-    with clock("heldout_acceptance"):
-        heldout.measure_and_record(cfg, plan.aux, result, use_ray)
+    worker = None
+    try:
+        with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
+            if not use_ray:
+                result = _fit_in_process(plan_json)
+            elif cfg.num_workers == 1:
+                worker = OneWorker.start(cfg)
+                result = worker.fit(plan_json)
+            else:
+                result = _fit_on_ray(cfg, plan_json)
+        with clock("heldout_acceptance"):
+            heldout.measure_and_record(cfg, plan.aux, result, use_ray, on=worker.heldout if worker else None)
+    finally:
+        if worker is not None:
+            worker.stop()
     with clock("export"):
         manifests = export_run(cfg.output, cfg.s3)
     seconds = clock.totals()
@@ -237,6 +249,78 @@ def _fit_in_process(plan_json: str) -> dict:
     """Single worker, no Ray (benchmarks on a GPU box without Ray)."""
     init_single_process()
     return train_worker(plan_json, 0, 1)
+
+
+class _WorkerProcess:
+    """The Ray actor a one-worker run trains in, then measures held-out acceptance in."""
+
+    def __init__(self, cpus: float, use_gpu: bool):
+        if not use_gpu:  # one torch thread per CPU this worker holds, as on Ray Train
+            torch.set_num_threads(max(1, round(cpus)))
+
+    def ready(self) -> bool:
+        return True
+
+    def fit(self, plan_json: str) -> dict:
+        init_single_process()
+        return train_worker(plan_json, 0, 1)
+
+    def heldout(self, cfg: TrainConfig, aux: list[str], eval_acc: list[float]) -> dict:
+        return heldout.measure(cfg, aux, eval_acc)
+
+
+class OneWorker:
+    """A one-worker run on Ray: one actor holding the worker's CPUs (and GPU), for training and
+    then the held-out measurement. Ray Train's controller and worker group add ~15 s on two cores
+    (bench_train_job.py) and give one worker nothing: no rendezvous, no gang to place, and
+    Strata's own checkpoints already make a rerun resume (``max_failures`` is 0 either way)."""
+
+    def __init__(self, cfg: TrainConfig, actor):
+        self.cfg, self.actor = cfg, actor
+
+    @classmethod
+    def start(cls, cfg: TrainConfig) -> OneWorker:
+        import ray
+
+        actor = (
+            ray.remote(_WorkerProcess)
+            .options(num_cpus=cfg.cpus_per_worker, num_gpus=1 if cfg.use_gpu else 0, max_restarts=0)
+            .remote(cfg.cpus_per_worker, cfg.use_gpu)
+        )
+        ready, _ = ray.wait([actor.ready.remote()], timeout=cfg.stall_timeout_s or None)
+        if not ready:
+            ray.kill(actor)
+            raise stalled(
+                f"train: the worker group (1 x {cfg.cpus_per_worker:g} CPU{' + 1 GPU' if cfg.use_gpu else ''}) "
+                "was not placed",
+                cfg.stall_timeout_s,
+                "another job may hold the CPUs; free them, lower cpus_per_worker, or raise stall_timeout_s",
+            )
+        return cls(cfg, actor)
+
+    def _get(self, ref, doing: str):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            raise e.cause from e  # the worker's own error (a bad input names itself), remote traceback chained
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(
+                f"the training worker died while {doing} ({str(e).splitlines()[0]}); rerun with resume: latest "
+                "to continue from its last checkpoint"
+            ) from None
+
+    def fit(self, plan_json: str) -> dict:
+        return self._get(self.actor.fit.remote(plan_json), "training")
+
+    def heldout(self, cfg: TrainConfig, aux: list[str], eval_acc: list[float]) -> dict:
+        return self._get(self.actor.heldout.remote(cfg, aux, eval_acc), "measuring held-out acceptance")
+
+    def stop(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
 
 
 def _ray_worker(config: dict) -> None:

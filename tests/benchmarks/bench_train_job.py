@@ -11,8 +11,12 @@ B. plain: the same draft, the same target head, the same batches already decoded
    plain torch (AdamW, grad clip, the same LR schedule), the same number of torch threads.
 C. deepspeed: the job's own Trainer (DeepSpeed ZeRO-2) on those in-memory batches, in this
    process -- no Ray, no data loading: what DeepSpeed alone costs.
+D. plain process: B as a whole script in a fresh process (imports, verifying and decoding the
+   data, building the draft, the steps, exit), timed from outside like A. Fixed cost = wall time
+   minus the steps' tokens at the run's steady throughput; the job's fixed cost beyond D's is
+   what Strata adds to every run.
 
-Runs alternate (B, C, A, A with ray_data) per repeat; min/median/max and the machine's load are saved.
+Runs alternate (B, C, D, A, A with ray_data) per repeat; min/median/max and the machine's load are saved.
 
     python tests/benchmarks/bench_train_job.py
     python tests/benchmarks/bench_train_job.py --shape tiny --conversations 40 --repeats 1   # smoke
@@ -25,6 +29,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,15 +115,11 @@ class InProcess:
         import torch
 
         from pipeline.train.data import BatchStream, SampleRef
-        from pipeline.train.job import init_single_process, prepare
+        from pipeline.train.job import prepare
         from pipeline.train.loop import epoch_plans
         from schemas.train import TrainConfig
 
         torch.set_num_threads(threads)
-        init_single_process()
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
         self.cfg = TrainConfig.model_validate(cfg)
         self.plan = prepare(self.cfg)
         plans, _, self.total = epoch_plans(self.plan, self.cfg, 1)
@@ -165,8 +166,14 @@ class InProcess:
         return self._timed(step)
 
     def deepspeed(self) -> float:
-        from pipeline.train.trainer import Trainer
+        import torch.distributed as dist
 
+        from pipeline.train.job import init_single_process
+        from pipeline.train.trainer import Trainer, import_deepspeed
+
+        if not dist.is_initialized():
+            init_single_process()
+            import_deepspeed().init_distributed(dist_backend="gloo")
         trainer = Trainer(self.plan, self.cfg, self.total)
         return self._timed(trainer.step)
 
@@ -176,6 +183,24 @@ class InProcess:
         for b in self.batches[1:]:
             step(b)
         return (self.tokens - self.batches[0].tokens) / (time.perf_counter() - t0)
+
+
+def plain_process(cfg: dict, work: Path, threads: int) -> dict:
+    """D: the plain loop as a script of its own; its wall seconds and steady tokens/s."""
+    path = work / "plain-process.json"
+    path.write_text(json.dumps(cfg))
+    t0 = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, __file__, "--plain-process", str(path), "--threads", str(threads)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    wall = time.perf_counter() - t0
+    if run.returncode:
+        raise SystemExit(f"the plain process failed ({run.returncode}):\n{run.stderr[-4000:]}")
+    return {"wall_s": wall, **json.loads(run.stdout.strip().splitlines()[-1])}
 
 
 def main() -> None:
@@ -191,7 +216,13 @@ def main() -> None:
         default="worker,ray_data",
         help="the job's data loadings to time, comma-separated (worker, ray_data)",
     )
+    ap.add_argument("--plain-process", default=None, help=argparse.SUPPRESS)  # D's own process: a config file
+    ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.plain_process:
+        local = InProcess(json.loads(Path(a.plain_process).read_text()), a.threads)
+        print(json.dumps({"tokens_per_s": local.plain(), "tokens": local.tokens}))
+        return
     loadings = a.loadings.split(",")
     if not loadings or not set(loadings) <= {"worker", "ray_data"}:
         ap.error(f"--loadings {a.loadings!r}: pick from worker, ray_data")
@@ -208,16 +239,18 @@ def main() -> None:
 
     local = InProcess(cfg("local"), threads)
     load_before = os.getloadavg()
-    plain, ds_alone, jobs, ray_data_jobs = [], [], [], []
+    plain, ds_alone, jobs, ray_data_jobs, processes = [], [], [], [], []
     for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
         plain.append(local.plain())
         ds_alone.append(local.deepspeed())
+        processes.append(plain_process(cfg(f"p{r}"), work, threads))
         if "worker" in loadings:
             jobs.append(run_job(cfg(f"r{r}"), work))
         if "ray_data" in loadings:
             ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
         print(
-            f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}"
+            f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}, "
+            f"plain process {processes[-1]['wall_s']:.1f} s"
             + "".join(
                 f", {name} {runs[-1]['tokens_per_s']:.0f}"
                 for name, runs in (("job", jobs), ("job with ray_data loading", ray_data_jobs))
@@ -227,6 +260,12 @@ def main() -> None:
         )
     med = statistics.median
     timed = {name: runs for name, runs in (("job", jobs), ("job_ray_data_loading", ray_data_jobs)) if runs}
+    for p in processes:  # the same steps at its own steady rate; the rest of its wall is fixed
+        p["fixed_s"] = p["wall_s"] - p["tokens"] / p["tokens_per_s"]
+    for runs in timed.values():
+        for j in runs:
+            j["fixed_s"] = j["wall_s"] - local.tokens / j["tokens_per_s"]
+    plain_fixed = med(p["fixed_s"] for p in processes)
     result = {
         "benchmark": "train_job",
         "host": platform.node(),
@@ -240,12 +279,24 @@ def main() -> None:
         "loadavg_after": os.getloadavg(),
         "plain_tokens_per_s": spread(plain),
         "deepspeed_tokens_per_s": spread(ds_alone),
+        "plain_process_wall_s": spread([p["wall_s"] for p in processes]),
+        "plain_process_fixed_s": spread([p["fixed_s"] for p in processes]),
+        **{f"{name}_fixed_s": spread([j["fixed_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_tokens_per_s": spread([j["tokens_per_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_wall_s": spread([j["wall_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_windows": runs for name, runs in timed.items()},
         "ratios": {
             **{f"{name}_over_plain": med(j["tokens_per_s"] for j in runs) / med(plain) for name, runs in timed.items()},
             "deepspeed_over_plain": med(ds_alone) / med(plain),
+            **{
+                f"{name}_fixed_beyond_plain_process_s": med(j["fixed_s"] for j in runs) - plain_fixed
+                for name, runs in timed.items()
+            },
+            **{
+                f"plain_process_wall_over_{name}_wall": med(p["wall_s"] for p in processes)
+                / med(j["wall_s"] for j in runs)
+                for name, runs in timed.items()
+            },
             **(
                 {
                     "job_over_deepspeed": med(j["tokens_per_s"] for j in jobs) / med(ds_alone),
@@ -257,9 +308,11 @@ def main() -> None:
                 else {}
             ),
         },
-        "note": "job: python -m pipeline.cli train (Ray Train, 1 worker), steady state = median of "
+        "note": "job: python -m pipeline.cli train (1 worker: one Ray actor), steady state = median of "
         "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "
-        "same torch threads; the job's wall includes imports, Ray start, vocab, verification, export off.",
+        "same torch threads; plain process: the plain loop as its own script, timed from outside; fixed = wall "
+        "minus the steps' tokens at the run's steady rate; the job's wall includes imports, Ray start, vocab, "
+        "verification, export off.",
     }
     save_result(result, f"train_job_{a.shape}_cpu.json", a.out)
 
