@@ -117,18 +117,19 @@ def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
     }
 
 
-def run_bare(target: Path, conversations: Path) -> dict:
+def run_script(argv: list[str], what: str, timeout: float) -> dict:
+    """A baseline script in a fresh process, timed from outside: its wall seconds and the JSON
+    object its last line of stdout prints."""
     t0 = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, "-c", BARE_SCRIPT, str(target), str(conversations)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+    run = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t0
     if run.returncode:
-        raise SystemExit(f"bare-forward script failed:\n{run.stderr[-4000:]}")
+        raise SystemExit(f"{what} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     return {"wall_s": wall, **json.loads(run.stdout.strip().splitlines()[-1])}
+
+
+def run_bare(target: Path, conversations: Path) -> dict:
+    return run_script(["-c", BARE_SCRIPT, str(target), str(conversations)], "bare-forward script", 1800)
 
 
 def spread(xs: list[float]) -> dict:

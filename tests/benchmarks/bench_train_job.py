@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _results import save_result  # noqa: E402
 from bench_extract import build_target  # noqa: E402
-from bench_extract_job import run_cli, spread  # noqa: E402
+from bench_extract_job import run_cli, run_script, spread  # noqa: E402
 
 
 def dataset(target: Path, work: Path, n: int) -> Path:
@@ -189,18 +188,7 @@ def plain_process(cfg: dict, work: Path, threads: int) -> dict:
     """D: the plain loop as a script of its own; its wall seconds and steady tokens/s."""
     path = work / "plain-process.json"
     path.write_text(json.dumps(cfg))
-    t0 = time.perf_counter()
-    run = subprocess.run(
-        [sys.executable, __file__, "--plain-process", str(path), "--threads", str(threads)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    wall = time.perf_counter() - t0
-    if run.returncode:
-        raise SystemExit(f"the plain process failed ({run.returncode}):\n{run.stderr[-4000:]}")
-    return {"wall_s": wall, **json.loads(run.stdout.strip().splitlines()[-1])}
+    return run_script([__file__, "--plain-process", str(path), "--threads", str(threads)], "the plain process", 3600)
 
 
 def main() -> None:
