@@ -62,10 +62,18 @@ class RayUnitPool:
         n = max(1, min(r.num_actors, units))
         self.placements: list[Placement] = []
         self.actors = []
-        for _ in range(n):
-            self.placements.append(place_actor(r, r.stall_timeout_s))
-            opts = {**self.placements[-1].options, "max_restarts": ACTOR_RESTARTS, "max_task_retries": ACTOR_RESTARTS}
-            self.actors.append(remote.options(**opts).remote(*args))
+        try:
+            for _ in range(n):
+                self.placements.append(place_actor(r, r.stall_timeout_s))
+                opts = {
+                    **self.placements[-1].options,
+                    "max_restarts": ACTOR_RESTARTS,
+                    "max_task_retries": ACTOR_RESTARTS,
+                }
+                self.actors.append(remote.options(**opts).remote(*args))
+        except BaseException:  # a later actor's group not placed: release the groups already held
+            self.close(graceful=False)
+            raise
         log.info(
             "started %d %s(s) x %g CPU%s%s",
             len(self.actors),

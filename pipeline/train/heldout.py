@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pipeline.acceptance import line
@@ -69,7 +70,13 @@ def _measure(cfg: TrainConfig, draft_dir: Path, aux: list[str], eval_acc: list[f
     }
 
 
-def measure_and_record(cfg: TrainConfig, aux: list[str], metrics: dict, use_ray: bool, on=None) -> dict:
+def measure_and_record(
+    cfg: TrainConfig,
+    aux: list[str],
+    metrics: dict,
+    use_ray: bool,
+    on: Callable[[TrainConfig, list[str], list[float]], dict] | None = None,
+) -> dict:
     """Measure and add the result to ``metrics.jsonl`` and ``final_metrics.json``, which the export
     then carries into every artifact. ``on``: the ``measure`` of a process that already holds the
     worker's resources (a one-worker run's); else a Ray task with ``use_ray``, else here."""

@@ -251,12 +251,27 @@ def _fit_in_process(plan_json: str) -> dict:
     return train_worker(plan_json, 0, 1)
 
 
+def _not_placed(cfg: TrainConfig) -> Exception:
+    """The workers Ray could not place within ``stall_timeout_s`` (the one actor or Ray Train's group)."""
+    return stalled(
+        f"train: the worker group ({cfg.num_workers} x {cfg.cpus_per_worker:g} CPU"
+        f"{' + 1 GPU' if cfg.use_gpu else ''}) was not placed",
+        cfg.stall_timeout_s,
+        "another job may hold the CPUs; free them, lower cpus_per_worker or num_workers, or raise stall_timeout_s",
+    )
+
+
+def _worker_threads(cpus: float, use_gpu: bool) -> None:
+    """One torch thread per CPU a CPU worker holds (Ray's OMP default counts whole CPUs)."""
+    if not use_gpu:
+        torch.set_num_threads(max(1, round(cpus)))
+
+
 class _WorkerProcess:
     """The Ray actor a one-worker run trains in, then measures held-out acceptance in."""
 
     def __init__(self, cpus: float, use_gpu: bool):
-        if not use_gpu:  # one torch thread per CPU this worker holds, as on Ray Train
-            torch.set_num_threads(max(1, round(cpus)))
+        _worker_threads(cpus, use_gpu)
 
     def ready(self) -> bool:
         return True
@@ -275,8 +290,8 @@ class OneWorker:
     (bench_train_job.py) and give one worker nothing: no rendezvous, no gang to place, and
     Strata's own checkpoints already make a rerun resume (``max_failures`` is 0 either way)."""
 
-    def __init__(self, cfg: TrainConfig, actor):
-        self.cfg, self.actor = cfg, actor
+    def __init__(self, actor):
+        self.actor = actor
 
     @classmethod
     def start(cls, cfg: TrainConfig) -> OneWorker:
@@ -290,13 +305,8 @@ class OneWorker:
         ready, _ = ray.wait([actor.ready.remote()], timeout=cfg.stall_timeout_s or None)
         if not ready:
             ray.kill(actor)
-            raise stalled(
-                f"train: the worker group (1 x {cfg.cpus_per_worker:g} CPU{' + 1 GPU' if cfg.use_gpu else ''}) "
-                "was not placed",
-                cfg.stall_timeout_s,
-                "another job may hold the CPUs; free them, lower cpus_per_worker, or raise stall_timeout_s",
-            )
-        return cls(cfg, actor)
+            raise _not_placed(cfg)
+        return cls(actor)
 
     def _get(self, ref, doing: str):
         import ray
@@ -326,8 +336,7 @@ class OneWorker:
 def _ray_worker(config: dict) -> None:
     import ray.train
 
-    if not config["use_gpu"]:  # one torch thread per CPU this worker holds (Ray's OMP default counts whole CPUs)
-        torch.set_num_threads(max(1, round(config["cpus_per_worker"])))
+    _worker_threads(config["cpus_per_worker"], config["use_gpu"])
     ctx = ray.train.get_context()
     train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
 
@@ -380,12 +389,7 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
     except ControllerError as e:
         if type(e.controller_failure).__name__ != "WorkerGroupStartupTimeoutError":
             raise
-        raise stalled(
-            f"train: the worker group ({cfg.num_workers} x {cfg.cpus_per_worker:g} CPU"
-            f"{' + 1 GPU' if cfg.use_gpu else ''}) was not placed",
-            cfg.stall_timeout_s,
-            "another job may hold the CPUs; free them, lower cpus_per_worker or num_workers, or raise stall_timeout_s",
-        ) from None
+        raise _not_placed(cfg) from None
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         if env_before is None:
