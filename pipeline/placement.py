@@ -2,8 +2,8 @@
 target larger than one node (Kimi-K2 class), a placement group spanning ``ray.nodes_per_actor``
 nodes that vLLM's Ray executor fills with its tensor-parallel workers.
 
-vLLM's rules for a placement group it is started inside (``vllm/v1/executor/ray_utils.py``,
-``initialize_ray_cluster``): it uses the current placement group when there is one, each bundle
+vLLM's rules for a placement group it is started inside (vLLM 0.32, ``vllm/v1/executor/ray_utils.py``,
+``initialize_ray_cluster``; workers asked for in ``ray_executor.py`` with ``num_cpus=0``): it uses the current placement group when there is one, each bundle
 may hold at most one GPU, and it needs at least ``world_size`` GPU bundles. So a spanning actor's
 group is one CPU bundle for the actor itself plus one bundle per GPU, packed (ranks fill one node
 before the next: tensor parallelism's all-reduces stay on NVLink where they can), and the actor
