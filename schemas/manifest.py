@@ -40,6 +40,9 @@ class ShardRecord(BaseModel):
     sha256: str | None
     quarantine_path: str | None = None
     inherited_from: str | None = None  # dataset id of the earlier version this shard belongs to
+    # Rows captured and handed straight to training (streaming mode): neither stored nor quarantined.
+    streamed: int = 0
+    streamed_tokens: int = 0
     # Seconds this unit spent per stage (tokenize, forward, byte_split, compress, parquet, hash,
     # write, commit, writer_wait; engine_start on the first unit each capture actor commits).
     seconds: dict[str, float] = {}
@@ -55,6 +58,8 @@ class Totals(BaseModel):
     loss_tokens: int
     bytes: int
     shards: int
+    streamed: int = 0  # rows streamed to training, not stored (tokens/bytes count stored rows only)
+    streamed_tokens: int = 0
 
 
 class DatasetManifest(BaseModel):
@@ -97,10 +102,11 @@ class DatasetManifest(BaseModel):
         return f"{job}; units summed: {units}"
 
     def reconcile(self) -> None:
-        """Raise unless every input row is either written or quarantined, exactly once."""
+        """Raise unless every input row is either written, quarantined or streamed, exactly once."""
         own = [s for s in self.shards if s.inherited_from is None]
         rows = sum(s.rows for s in own)
         quar = sum(s.quarantined for s in own)
+        streamed = sum(s.streamed for s in own)
         covered = sorted(s.source_rows for s in own)
         pos = 0
         for a, b in covered:
@@ -113,10 +119,10 @@ class DatasetManifest(BaseModel):
             raise ValueError(
                 f"manifest {self.dataset_id}: shards cover {pos} source rows, source has {self.source.rows}"
             )
-        if rows + quar != self.source.rows:
+        if rows + quar + streamed != self.source.rows:
             raise ValueError(
                 f"manifest {self.dataset_id}: counts do not reconcile: input {self.source.rows} != "
-                f"written {rows} + quarantined {quar}"
+                f"written {rows} + quarantined {quar}" + (f" + streamed {streamed}" if streamed else "")
             )
         all_rows, all_quar = sum(s.rows for s in self.shards), sum(s.quarantined for s in self.shards)
         if all_rows != self.totals.rows or all_quar != self.totals.quarantined:
@@ -124,7 +130,7 @@ class DatasetManifest(BaseModel):
                 f"manifest {self.dataset_id}: totals ({self.totals.rows} rows, {self.totals.quarantined} "
                 f"quarantined) disagree with its shards ({all_rows}, {all_quar})"
             )
-        for field in ("tokens", "loss_tokens", "bytes"):
+        for field in ("tokens", "loss_tokens", "bytes", "streamed", "streamed_tokens"):
             summed = sum(getattr(s, field) for s in self.shards)
             if summed != getattr(self.totals, field):
                 raise ValueError(

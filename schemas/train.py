@@ -59,8 +59,28 @@ class HeldoutAcceptanceConfig(Strict):
     max_new_tokens: int = Field(acceptance.MAX_NEW_TOKENS, ge=1)
 
 
+STREAM_DATA_DIR = "data"
+
+
+class StreamConfig(Strict):
+    """Training fed by capture actors through Ray's object store instead of a stored dataset."""
+
+    stream: str = Field(
+        description="extraction config (YAML or JSON, a path relative to where the job runs): its target, "
+        "source, capture points, engine and ray capture actors feed training; only the held-out samples "
+        "(evaluation and fingerprint probes) are written, with a manifest of every streamed row, to the run's data/"
+    )
+    in_flight: int = Field(
+        2,
+        ge=1,
+        description="batches per training worker captured ahead and held in Ray's object store: the memory "
+        "bound, however large the source",
+    )
+
+
 class TrainConfig(Strict):
-    dataset: str = Field(description="extracted dataset URI (local or s3://)")
+    dataset: str | None = Field(None, description="extracted dataset URI (local or s3://); or data.stream")
+    data: StreamConfig | None = Field(None, description="streaming mode: batches captured as training consumes them")
     target: TargetConfig
     output: str = Field(description="run directory: checkpoints, metrics.jsonl, exported drafts")
     aux: list[CapturePoint] | None = Field(None, description="aux slots; default: every residual point of the dataset")
@@ -124,6 +144,30 @@ class TrainConfig(Strict):
             every = v.pop("checkpoint_every")
             v["checkpoint"] = {**(v.get("checkpoint") or {}), "every": every}
         return v
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TrainConfig:
+        """A streaming run sets ``dataset`` itself, to the held-out data it writes (``stream_data``)."""
+        if (
+            self.data is None
+            and self.dataset is None
+            or self.data is not None
+            and self.dataset
+            not in (
+                None,
+                self.stream_data,
+            )
+        ):
+            raise ValueError(
+                "give exactly one of dataset (an extracted dataset) and data.stream (an extraction config "
+                "whose capture actors feed training)" + ("; both are set" if self.dataset is not None else "")
+            )
+        return self
+
+    @property
+    def stream_data(self) -> str:
+        """Where a streaming run writes its held-out samples and the manifest of what it streamed."""
+        return self.output.rstrip("/") + "/" + STREAM_DATA_DIR
 
     @field_validator("aux", mode="before")
     @classmethod

@@ -362,6 +362,9 @@ def ray_cluster(tmp_path_factory):
         **os.environ,
         "RAY_AUTH_MODE": "disabled",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # the raylet deletes released objects in batches every second by default; streaming's
+        # memory test trains dozens of tiny steps a second and measures the object store
+        "RAY_free_objects_period_milliseconds": "20",
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
     }
     proc = subprocess.Popen(

@@ -190,3 +190,16 @@ def test_the_multinode_extraction_config_spans_whole_nodes():
     check_nodes(cfg.ray, [node, node, {"Alive": True, "Resources": {"CPU": 8}}])
     with pytest.raises(UnusableInput, match="need 2 nodes with 8 GPUs each"):
         check_nodes(cfg.ray, [node, {**node, "Alive": False}])
+
+
+def test_the_streaming_training_config_names_an_extraction_config_for_the_same_target():
+    from pipeline.train.stream import extract_config
+    from schemas.train import TrainConfig
+
+    cfg = load_config(INFRA / "configs" / "train-stream.yaml", TrainConfig)
+    assert cfg.dataset is None and cfg.data is not None
+    x = extract_config(
+        cfg.model_copy(update={"data": cfg.data.model_copy(update={"stream": str(REPO / cfg.data.stream)})})
+    )
+    assert x.target.path == cfg.target.path and x.output.uri == cfg.stream_data
+    assert x.ray.gpus_per_actor >= 1 and cfg.use_gpu  # capture actors and workers on their own GPUs

@@ -256,7 +256,8 @@ def test_hf_data_draft_served_by_vllm_passes_lossless_and_matches_reference(
 def test_validation_through_vllm_tensor_parallel_on_cpu(vllm_engine, trained_run, tiny_target, tmp_path):
     """``serving.tp_size: 2``: the replay, the reference decoding and the EAGLE-3 serving all run
     through vLLM with two CPU ranks. The right config passes with TP 1's verdict and feed (what rank 0's
-    drafter is fed); one id too high is blocked, measured, as at TP 1."""
+    drafter is fed), measured on prefill and verify. A wrong config's verdict rests on that same
+    measured feed; the wrong configs run at TP 1 (``test_wrong_configs_blocked_by_the_measured_feed``)."""
     good = served(trained_run, tiny_target, tmp_path, serving={"tp_size": 2})
     assert good.decision == "pass", good.reasons
     assert good.serving["tp_size"] == 2
@@ -271,13 +272,6 @@ def test_validation_through_vllm_tensor_parallel_on_cpu(vllm_engine, trained_run
         == ["layer_output:1", "layer_output:2", "layer_output:3"]
     )
     assert max(good.feed.vs_training_rel_l2) < 1e-4  # TP 2's feed vs HF-extracted training values
-    bad = served(
-        trained_run, tiny_target, tmp_path, config_edit=set_ids([3, 4, 5]), serving={"tp_size": 2}, acceptance_prompts=3
-    )
-    assert bad.decision == "block"
-    text = "\n".join(bad.reasons)
-    assert "slot 0 is fed o_2 (r_3)" in text and f"top-level {AUX_KEY}=[2, 3, 4]" in text, text
-    assert all(s.fed_by == "measured" for s in bad.slots)
 
 
 def set_ids(ids, nested=False):

@@ -122,11 +122,19 @@ def _check_job_file(fs, root: str, fingerprint: str, cfg: ExtractConfig) -> None
     )
 
 
-def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True) -> DatasetManifest:
+def run_extract(
+    cfg: ExtractConfig,
+    progress: bool = True,
+    use_ray: bool = True,
+    keep: set[int] | None = None,
+    pool: CapturePool | None = None,
+) -> DatasetManifest:
     """Extract ``cfg.source`` into ``cfg.output``; resumes a crashed run of the same job.
 
     ``use_ray=False`` runs the same steps in this process (tests, and benchmarks on a GPU
-    box without Ray).
+    box without Ray). A streaming training run stores only the source rows in ``keep`` (its
+    held-out samples; the manifest counts the others as streamed) on the capture actors of
+    its own ``pool``, which it keeps using afterwards.
     """
     clock = Stopwatch()
     with clock("target_identity"):
@@ -138,7 +146,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         scan = scan_source(cfg.source.uri, cfg.source.format, cfg.s3)
     if not scan.rows:
         raise ExtractionError(f"source.uri {cfg.source.uri} has no rows: nothing to extract")
-    fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256)
+    fingerprint = layout.job_fingerprint(json.loads(extraction_json(cfg)), identity.key, scan.sha256, keep)
     if exists(fs, join(root, MANIFEST_NAME)):
         from pipeline.store.reader import load_manifest
 
@@ -149,7 +157,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
         raise ExtractionError(
             f"output.uri {cfg.output.uri} already holds dataset {m.dataset_id}; choose another output.uri"
         )
-    if use_ray:  # before anything is written (a finished dataset needs no cluster)
+    if use_ray and pool is None:  # before anything is written (a finished dataset needs no cluster)
         clock.start("ray_start")
         init_ray(cfg.ray.address, dashboard=False)
         r = cfg.ray
@@ -177,7 +185,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, use_ray: bool = True)
 
             return load_manifest(cfg.output.uri, cfg.s3)
         _check_job_file(fs, root, fingerprint, cfg)
-        return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, clock)
+        return _extract(cfg, identity, fs, root, scan, fingerprint, progress, use_ray, clock, keep, pool)
     finally:
         lease.release()
 
@@ -192,6 +200,8 @@ def _extract(
     progress: bool,
     use_ray: bool,
     clock: Stopwatch,
+    keep: set[int] | None = None,
+    pool: CapturePool | None = None,
 ) -> DatasetManifest:
     """Extract every uncommitted unit, then publish the manifest (the lease is held)."""
     schema, provs = build_schema(cfg, identity)
@@ -206,12 +216,14 @@ def _extract(
         len(done),
         len(pending),
     )
-    pool = CapturePool(cfg, schema, len(pending), use_ray)
+    own_pool = pool is None
+    pool = pool or CapturePool(cfg, schema, len(pending), use_ray)
     ok = False
     try:
         if pending:
             payload = [
                 {"unit": u.unit, "start": u.start, "rows": [r.data for r in scan.rows[u.start : u.end]]}
+                | ({} if keep is None else {"keep": [r for r in range(u.start, u.end) if r in keep]})
                 for u in pending
             ]
             with clock("capture"):
@@ -227,7 +239,8 @@ def _extract(
         ok = True
         return manifest
     finally:
-        pool.close(graceful=ok)
+        if own_pool:
+            pool.close(graceful=ok)
 
 
 def _publish(
@@ -269,6 +282,8 @@ def _publish(
             loss_tokens=sum(s.loss_tokens for s in shards),
             bytes=sum(s.bytes for s in shards),
             shards=sum(1 for s in shards if s.path),
+            streamed=sum(s.streamed for s in shards),
+            streamed_tokens=sum(s.streamed_tokens for s in shards),
         ),
         quarantine_path=layout.QUARANTINE_FILE,
     )
@@ -283,11 +298,12 @@ def _publish(
     t = manifest.totals
     dt = manifest.seconds["total"]
     log.info(
-        "extracted %s: input rows %d = written %d + quarantined %d; %d shards, %d tokens, %.1f MB, %.0f tok/s (%.1fs)",
+        "extracted %s: input rows %d = written %d + quarantined %d%s; %d shards, %d tokens, %.1f MB, %.0f tok/s (%.1fs)",
         manifest.dataset_id,
         t.input_rows,
         t.rows,
         t.quarantined,
+        f" + streamed to training {t.streamed}" if t.streamed else "",
         t.shards,
         t.tokens,
         t.bytes / 1e6,

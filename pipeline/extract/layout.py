@@ -45,7 +45,11 @@ def sample_id(source_uri: str, row: int, content_sha256: str) -> str:
     return hashlib.sha256(f"{source_uri}\0{row}\0{content_sha256}".encode()).hexdigest()[:20]
 
 
-def job_fingerprint(extraction: dict, target_key: str, source_sha256: str) -> str:
-    """What must not change between a crashed run and its resume."""
-    payload = json.dumps({"extraction": extraction, "target": target_key, "source": source_sha256}, sort_keys=True)
+def job_fingerprint(extraction: dict, target_key: str, source_sha256: str, keep: set[int] | None = None) -> str:
+    """What must not change between a crashed run and its resume (and, for a streaming run's
+    held-out data, which rows it stores)."""
+    what = {"extraction": extraction, "target": target_key, "source": source_sha256}
+    if keep is not None:
+        what["stored_rows"] = hashlib.sha256(json.dumps(sorted(keep)).encode()).hexdigest()
+    payload = json.dumps(what, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -21,8 +21,8 @@ class CaptureActor:
 
         self.worker = CaptureWorker(cfg_json, schema, in_ray=True)
 
-    def process(self, unit: int, start: int, rows: list[bytes]) -> str:
-        return self.worker.process(unit, start, rows)
+    def process(self, unit: int, start: int, rows: list[bytes], keep: list[int] | None = None) -> str:
+        return self.worker.process(unit, start, rows, keep)
 
     def fingerprint(self, manifest_json: str) -> dict:
         return self.worker.fingerprint(manifest_json)
@@ -34,9 +34,11 @@ class CaptureActor:
 class CapturePool:
     """Capture workers on Ray actors (``use_ray``) or in this process; yields commit records."""
 
-    def __init__(self, cfg: ExtractConfig, schema: pa.Schema, units: int, use_ray: bool):
+    def __init__(
+        self, cfg: ExtractConfig, schema: pa.Schema, units: int, use_ray: bool, actor_cls: type = CaptureActor
+    ):
         if use_ray:
-            self.pool = RayUnitPool(CaptureActor, (cfg.model_dump_json(), schema), cfg.ray, units, "capture actor")
+            self.pool = RayUnitPool(actor_cls, (cfg.model_dump_json(), schema), cfg.ray, units, "capture actor")
         else:
             from pipeline.extract.worker import CaptureWorker
 
@@ -56,6 +58,11 @@ class CapturePool:
     def fingerprint(self, manifest: DatasetManifest) -> dict:
         """On a worker: it has torch imported already, the job's own process never imports it."""
         return self.pool.call_one("fingerprint", manifest.model_dump_json())
+
+    @property
+    def actors(self) -> list:
+        """The Ray actors (a streaming run's feeder sends them batches to capture)."""
+        return self.pool.actors
 
     def close(self, graceful: bool = True) -> None:
         self.pool.close(graceful)

@@ -125,9 +125,10 @@ class UnitWriter:
         self.compress_threads = compress_threads
         self._local_tmp = join(self.root, "_tmp") if not cfg.output.uri.startswith("s3://") else None
 
-    def process(self, tu: TokenizedUnit) -> ShardRecord:
+    def process(self, tu: TokenizedUnit, streamed: list[SampleMeta] = ()) -> ShardRecord:
         """Capture and commit one unit -- once: a unit already committed (Ray re-running a task
-        whose output was lost with a node, say) returns its record untouched."""
+        whose output was lost with a node, say) returns its record untouched. ``streamed``: the
+        unit's samples a streaming run trains on without storing them (counted, not written)."""
         path = join(self.root, layout.unit_record_path(tu.unit))
         if exists(self.fs, path):
             done = ShardRecord.model_validate_json(read_bytes(self.fs, path))
@@ -143,6 +144,8 @@ class UnitWriter:
             quarantined=len(tu.quarantine),
             bytes=0,
             sha256=None,
+            streamed=len(streamed),
+            streamed_tokens=sum(len(s.input_ids) for s in streamed),
         )
         seconds = Counter({"tokenize": tu.tokenize_s, **self._startup})
         self._startup = {}
@@ -256,10 +259,17 @@ class CaptureWorker:
             )
         return self._writer
 
-    def process(self, unit: int, start: int, rows: list[bytes]) -> str:
-        """Tokenize, capture and commit one unit; its commit record (JSON)."""
+    def process(self, unit: int, start: int, rows: list[bytes], keep: list[int] | None = None) -> str:
+        """Tokenize, capture and commit one unit; its commit record (JSON). ``keep``: store only
+        these source rows, the others are streamed (a streaming run's held-out data)."""
         writer = self.writer()  # first: the engine's imports and load count as its start, not as tokenizing
-        return writer.process(tokenize_unit(self.cfg, unit, start, rows)).model_dump_json()
+        tu = tokenize_unit(self.cfg, unit, start, rows)
+        streamed: list[SampleMeta] = []
+        if keep is not None:
+            kept = set(keep)
+            streamed = [s for s in tu.samples if s.source_row not in kept]
+            tu.samples = [s for s in tu.samples if s.source_row in kept]
+        return writer.process(tu, streamed).model_dump_json()
 
     def fingerprint(self, manifest_json: str) -> dict:
         return fingerprint_dataset(self.cfg, DatasetManifest.model_validate_json(manifest_json))

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from pipeline import conventions
+from pipeline import conventions, placement
 from pipeline.cluster import init_ray, require_resources, stalled
 from pipeline.conventions import releases
 from pipeline.draft.export import WEIGHTS, ExportError, serving_ids
@@ -32,13 +32,14 @@ from pipeline.store.fs import (
     resolve,
 )
 from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_samples
-from pipeline.train import checkpoint, heldout
+from pipeline.train import checkpoint, heldout, stream
 from pipeline.train.data import split_eval
 from pipeline.train.export import RUN_FILE, export_family, export_run
 from pipeline.train.loop import FINAL_METRICS, train_worker
 from pipeline.train.plan import RunPlan
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
+from schemas.extract import ExtractConfig
 from schemas.manifest import MANIFEST_NAME
 from schemas.train import TrainConfig
 
@@ -98,9 +99,17 @@ def check_servable(cfg: TrainConfig, aux: list[CapturePoint], n: int, target_cfg
         )
 
 
-def prepare(cfg: TrainConfig) -> RunPlan:
+def prepare(cfg: TrainConfig, streamed: stream.Streamed | None = None) -> RunPlan:
+    """The run plan. A streaming run's ``cfg.dataset`` is its held-out data, and ``streamed``
+    holds the samples it trains on."""
     identity = target_identity(cfg.target.path, cfg.target.name, cfg.target.revision)
     reader = DatasetReader(cfg.dataset, cfg.s3, expect_target=identity)
+    if reader.manifest.totals.streamed and streamed is None:
+        raise ProvenanceMismatch(
+            f"dataset {cfg.dataset} is a streaming run's held-out data: the {reader.manifest.totals.streamed} "
+            "rows it was trained on were streamed, not stored. Train on it with data.stream (its extraction "
+            "config), or extract the source to a dataset"
+        )
     log.info("verifying %d shards of %s", len(reader.shards), reader.manifest.dataset_id)
     reader.verify_all()  # missing shard, checksum failure, mixed provenance -> raises, naming the shard
     aux, final, needs_norm = choose_points(reader, cfg)
@@ -111,7 +120,8 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     if cfg.init_from:
         ids, d2t, t2d = warm_start_vocab(cfg, identity, aux, target_cfg)
     else:
-        counts = count_trained_tokens(_token_masks(reader), identity.vocab_size)
+        masks = streamed.token_masks() if streamed else _token_masks(reader)
+        counts = count_trained_tokens(masks, identity.vocab_size)
         ids, d2t, t2d = build_draft_vocab(counts, cfg.draft_vocab_size)
     atomic_write_bytes(fs, join(root, "vocab.safetensors"), st_save({"ids": ids, "d2t": d2t, "t2d": t2d}))
     refs = index_samples(reader)
@@ -119,6 +129,9 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     if reader.manifest.fingerprints:  # acceptance prompts are prefixes of these: never train on them
         probes = frozenset(Fingerprints.load(cfg.dataset, cfg.s3, name=reader.manifest.fingerprints["path"]).sample_ids)
     train, held = split_eval(refs, cfg.eval_fraction, probes)
+    if streamed is not None:  # everything stored is held out; training reads the stream
+        assert not train, "a streaming run's held-out data holds a training sample"
+        train = streamed.train_refs()
     draft = DraftConfig.from_target(target_cfg, len(aux), int(ids.numel()))
     resume = checkpoint.latest(cfg.output, cfg.s3) if cfg.resume == "latest" else None
     log.info(
@@ -148,6 +161,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
             "dataset_manifest_sha256": hashlib.sha256(
                 read_bytes(reader.fs, join(reader.root, MANIFEST_NAME))
             ).hexdigest(),
+            **({"stream": streamed.record(cfg)} if streamed else {}),
         },
     )
     run = {k: v for k, v in dataclasses.asdict(plan).items() if k not in ("train_refs", "eval_refs")}
@@ -191,34 +205,48 @@ def _token_masks(reader: DatasetReader):
             )
 
 
-def run_train(cfg: TrainConfig, use_ray: bool = True) -> dict:
+def run_train(cfg: TrainConfig, use_ray: bool = True, progress: bool = True) -> dict:
     """Train, measure held-out acceptance, export; ``seconds`` says where the wall time went
     (also written to ``timing.json`` in the run directory and logged)."""
     clock = Stopwatch()
+    xcfg = stream.extract_config(cfg) if cfg.data is not None else None
+    if xcfg is not None and not use_ray:
+        raise ValueError("data.stream: a streaming run captures on Ray actors; run it without --no-ray")
     if use_ray:  # before anything is written
         with clock("ray_start"):
             # Ray Train's cleanup polls the dashboard's state API; a one-worker run uses no Ray Train
             init_ray(cfg.ray_address, dashboard=cfg.num_workers > 1)
-            check_resources(cfg)
-    with clock("prepare"):  # verify shards, draft vocab, plan
-        plan = prepare(cfg)
-    plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
-    plan_json = json.dumps(dataclasses.asdict(plan))
-    worker = None
+            check_resources(cfg, xcfg)
+    streamed = worker = stream_source = None
     try:
+        if xcfg is not None:
+            with clock("stream_start"):  # tokenize the source, capture actors, store the held-out samples
+                streamed = stream.start(cfg, xcfg, progress)
+            cfg = cfg.model_copy(update={"dataset": cfg.stream_data})
+        with clock("prepare"):  # verify shards, draft vocab, plan
+            plan = prepare(cfg, streamed)
+        plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
+        plan_json = json.dumps(dataclasses.asdict(plan))
+        if streamed is not None:
+            stream_source = stream.source_of(streamed, plan.aux, plan.final, cfg.data.in_flight)  # type: ignore[union-attr]
         with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
             if not use_ray:
                 result = _fit_in_process(plan_json)
             elif cfg.num_workers == 1:
                 worker = OneWorker.start(cfg)
-                result = worker.fit(plan_json)
+                result = worker.fit(plan_json, stream_source)
             else:
-                result = _fit_on_ray(cfg, plan_json)
+                result = _fit_on_ray(cfg, plan_json, stream_source)
+        if streamed is not None:  # the capture actors' CPUs/GPUs go back before the held-out measurement
+            streamed.close()
+            streamed = None
         with clock("heldout_acceptance"):
             heldout.measure_and_record(cfg, plan.aux, result, use_ray, on=worker.heldout if worker else None)
     finally:
         if worker is not None:
             worker.stop()
+        if streamed is not None:
+            streamed.close(graceful=False)
     with clock("export"):
         manifests = export_run(cfg.output, cfg.s3)
     seconds = clock.totals()
@@ -276,9 +304,9 @@ class _WorkerProcess:
     def ready(self) -> bool:
         return True
 
-    def fit(self, plan_json: str) -> dict:
+    def fit(self, plan_json: str, stream_source=None) -> dict:
         init_single_process()
-        return train_worker(plan_json, 0, 1)
+        return train_worker(plan_json, 0, 1, stream_source=stream_source)
 
     def heldout(self, cfg: TrainConfig, aux: list[str], eval_acc: list[float]) -> dict:
         return heldout.measure(cfg, aux, eval_acc)
@@ -321,8 +349,8 @@ class OneWorker:
                 "to continue from its last checkpoint"
             ) from None
 
-    def fit(self, plan_json: str) -> dict:
-        return self._get(self.actor.fit.remote(plan_json), "training")
+    def fit(self, plan_json: str, stream_source=None) -> dict:
+        return self._get(self.actor.fit.remote(plan_json, stream_source), "training")
 
     def heldout(self, cfg: TrainConfig, aux: list[str], eval_acc: list[float]) -> dict:
         return self._get(self.actor.heldout.remote(cfg, aux, eval_acc), "measuring held-out acceptance")
@@ -338,7 +366,13 @@ def _ray_worker(config: dict) -> None:
 
     _worker_threads(config["cpus_per_worker"], config["use_gpu"])
     ctx = ray.train.get_context()
-    train_worker(config["plan_json"], ctx.get_world_rank(), ctx.get_world_size(), report=lambda m: ray.train.report(m))
+    train_worker(
+        config["plan_json"],
+        ctx.get_world_rank(),
+        ctx.get_world_size(),
+        report=lambda m: ray.train.report(m),
+        stream_source=config.get("stream_source"),
+    )
 
 
 TIMING_FILE = "timing.json"
@@ -346,20 +380,30 @@ WORKER_GROUP_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # Ray
 DECODE_TASK_CPUS = 0.25  # each Ray Data decode task feeding the workers (train.data.BatchStream)
 
 
-def check_resources(cfg: TrainConfig) -> None:
-    """The workers (and with ray_data loading, at least one decode task) must fit the cluster."""
+def check_resources(cfg: TrainConfig, xcfg: ExtractConfig | None = None) -> None:
+    """The workers (and with ray_data loading, at least one decode task; streaming, the capture
+    actors, which run alongside them) must fit the cluster -- one plan, checked before anything
+    starts."""
     worker = {"CPU": cfg.cpus_per_worker, **({"GPU": 1.0} if cfg.use_gpu else {})}
-    decode = cfg.data_loading == "ray_data"
-    require_resources(
-        f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g}"
-        + (f" + {DECODE_TASK_CPUS} CPU for the data decode tasks" if decode else ""),
-        [worker] * cfg.num_workers + ([{"CPU": DECODE_TASK_CPUS}] if decode else []),
-        "lower cpus_per_worker or num_workers",
-        cfg.resource_wait_s,
+    decode = cfg.data_loading == "ray_data" and xcfg is None
+    plan = f"train: {cfg.num_workers} workers x cpus_per_worker {cfg.cpus_per_worker:g}" + (
+        f" + {DECODE_TASK_CPUS} CPU for the data decode tasks" if decode else ""
     )
+    bundles = [worker] * cfg.num_workers + ([{"CPU": DECODE_TASK_CPUS}] if decode else [])
+    fix = "lower cpus_per_worker or num_workers"
+    if xcfg is not None:
+        r = xcfg.ray
+        plan += f" + {r.num_actors} capture actors x cpus_per_actor {r.cpus_per_actor:g}" + (
+            f" x gpus_per_actor {r.gpus_per_actor:g}" if r.gpus_per_actor else ""
+        )
+        bundles += placement.plan_bundles(r)
+        fix += f", or the stream's ray.num_actors / cpus_per_actor ({cfg.data.stream})"  # type: ignore[union-attr]
+    require_resources(plan, bundles, fix, max(cfg.resource_wait_s, xcfg.ray.resource_wait_s if xcfg else 0))
+    if xcfg is not None:
+        placement.check_nodes(xcfg.ray)
 
 
-def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
+def _fit_on_ray(cfg: TrainConfig, plan_json: str, stream_source=None) -> dict:
     from ray.train import ControllerError, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -373,7 +417,12 @@ def _fit_on_ray(cfg: TrainConfig, plan_json: str) -> dict:
         os.environ[WORKER_GROUP_START_TIMEOUT_ENV] = str(cfg.stall_timeout_s)
     trainer = TorchTrainer(
         _ray_worker,
-        train_loop_config={"plan_json": plan_json, "cpus_per_worker": cfg.cpus_per_worker, "use_gpu": cfg.use_gpu},
+        train_loop_config={
+            "plan_json": plan_json,
+            "cpus_per_worker": cfg.cpus_per_worker,
+            "use_gpu": cfg.use_gpu,
+            "stream_source": stream_source,
+        },
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=cfg.num_workers, use_gpu=cfg.use_gpu, resources_per_worker={"CPU": cfg.cpus_per_worker}

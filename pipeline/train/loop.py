@@ -29,6 +29,7 @@ from pipeline.train.checkpoint import (
 from pipeline.train.data import BatchStream, SampleRef, plan_epoch
 from pipeline.train.metrics import MetricsLog, MetricsWindow
 from pipeline.train.plan import RunPlan
+from pipeline.train.stream import FeedStream, StreamSample
 from pipeline.train.trainer import Trainer, import_deepspeed
 from schemas.train import TrainConfig
 
@@ -42,7 +43,7 @@ def epoch_plans(plan: RunPlan, cfg: TrainConfig, world: int) -> tuple[list[list]
 
     Epochs pack differently, so they can differ in step count: a step's epoch comes from the
     cumulative counts, never from step // len(first epoch)."""
-    refs = [SampleRef(**r) for r in plan.train_refs]
+    refs = train_refs(plan)
     plans = [plan_epoch(refs, cfg.batch_tokens, world, cfg.seed, e) for e in range(cfg.epochs)]
     epoch_start = [sum(len(p) for p in plans[:e]) for e in range(cfg.epochs + 1)]
     total = min(cfg.max_steps or 10**12, epoch_start[-1])
@@ -51,8 +52,15 @@ def epoch_plans(plan: RunPlan, cfg: TrainConfig, world: int) -> tuple[list[list]
     return plans, epoch_start, total
 
 
-def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
-    """Train on this worker's share of the plan. ``report(metrics)`` forwards to Ray Train."""
+def train_refs(plan: RunPlan) -> list[SampleRef] | list[StreamSample]:
+    """The training samples: where they are in the dataset, or (streaming) in the stream."""
+    cls = StreamSample if plan.extra.get("stream") else SampleRef
+    return [cls(**r) for r in plan.train_refs]
+
+
+def train_worker(plan_json: str, rank: int, world: int, report=None, stream_source=None) -> dict:
+    """Train on this worker's share of the plan. ``report(metrics)`` forwards to Ray Train;
+    ``stream_source``: a streaming run's :class:`~pipeline.train.stream.StreamSource`."""
     deepspeed = import_deepspeed()
     plan = RunPlan(**json.loads(plan_json))
     cfg = TrainConfig.model_validate(plan.cfg)
@@ -88,23 +96,36 @@ def train_worker(plan_json: str, rank: int, world: int, report=None) -> dict:
             log.info("resumed from %s at step %d", plan.resume_from, progress.step)
     step = progress.step
     history = MetricsLog(cfg.output, cfg.s3, step if plan.resume_from else None)
-    refs = [SampleRef(**r) for r in plan.train_refs]
+    refs = train_refs(plan)
+    if plan.extra.get("stream") and stream_source is None:
+        raise ValueError("a streaming run's plan needs its stream_source (the capture actors and the samples' tokens)")
+
+    def plan_step(g: int) -> list[int]:
+        """This worker's samples at global step ``g``."""
+        e = bisect.bisect_right(epoch_start, g) - 1
+        return plans[e][g - epoch_start[e]][rank]
+
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0)
     last: dict = {}
     while step < total:
         epoch = bisect.bisect_right(epoch_start, step) - 1
-        stream = BatchStream(
-            cfg.dataset,
-            cfg.s3,
-            refs,
-            plans[epoch],
-            rank,
-            step - epoch_start[epoch],
-            trainer.aux,
-            trainer.final,
-            use_ray=plan.use_ray_data,
-            stall_timeout_s=cfg.stall_timeout_s,
-        )
+        if stream_source is not None:
+            stream = FeedStream(
+                stream_source, rank, step, min(epoch_start[epoch + 1], total), plan_step, cfg.stall_timeout_s
+            )
+        else:
+            stream = BatchStream(
+                cfg.dataset,
+                cfg.s3,
+                refs,
+                plans[epoch],
+                rank,
+                step - epoch_start[epoch],
+                trainer.aux,
+                trainer.final,
+                use_ray=plan.use_ray_data,
+                stall_timeout_s=cfg.stall_timeout_s,
+            )
         for _, batch in stream:
             t0 = time.perf_counter()
             out = trainer.step(batch)

@@ -1,0 +1,276 @@
+"""Streaming mode on a real Ray cluster: capture actors feed the training worker through the
+object store. The same draft as extract-then-train, bit for bit, through a killed capture
+actor and a killed trainer; no stored shard of a trained sample; flat object-store memory;
+the artifact through the gate like an offline one."""
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.extract.job import run_extract
+from pipeline.fingerprint import Fingerprints
+from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_samples
+from pipeline.train.data import split_eval
+from pipeline.train.job import prepare, run_train
+from pipeline.validate.job import run_validate
+from schemas.artifact import ARTIFACT_MANIFEST
+from schemas.config import ConfigError, validate_config
+from schemas.extract import ExtractConfig
+from schemas.train import TrainConfig
+from schemas.validation import ValidateConfig
+
+POINTS = ["layer_output:1", "layer_output:2", "layer_output:3", "final:post_norm"]
+IN_FLIGHT = 2
+BATCH_TOKENS = 512
+
+
+def extract_raw(tiny_target, src: Path, out: Path) -> dict:
+    return {
+        "target": {"path": str(tiny_target)},
+        "source": {"uri": str(src)},
+        "output": {"uri": str(out), "rows_per_shard": 32},
+        "capture": POINTS,
+        "max_length": 256,
+        # one capture actor with one core: fp32 values then do not depend on which samples share
+        # a forward (tests/test_hf_engine.py), offline or streamed
+        "engine": {"dtype": "float32", "device": "cpu"},
+        "ray": {"num_actors": 1, "cpus_per_actor": 1},
+        "fingerprint": {"probe_samples": 8},
+    }
+
+
+def train_raw(tiny_target, out: Path, **kw) -> dict:
+    return {
+        "target": {"path": str(tiny_target)},
+        "output": str(out),
+        "draft_vocab_size": 4096,
+        "ttt_steps": 2,
+        "batch_tokens": BATCH_TOKENS,
+        "epochs": 2,
+        "metrics_every": 4,
+        "checkpoint": {"every": 4, "keep": 10},
+        "eval_fraction": 0.1,
+        "num_workers": 1,
+        "cpus_per_worker": 1,
+        "optim": {"lr": 3e-3, "warmup_steps": 2},
+        "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+        "heldout_acceptance": {"prompts": 4, "max_new_tokens": 8},
+        "export": {"dtype": "float32"},
+        **kw,
+    }
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tiny_target):
+    from pipeline.data.stdlib import write_conversations
+
+    root = tmp_path_factory.mktemp("stream")
+    write_conversations(root / "conv.jsonl", n=96)
+    (root / "extract.yaml").write_text(yaml.safe_dump(extract_raw(tiny_target, root / "conv.jsonl", root / "unused")))
+    return root
+
+
+@pytest.fixture(scope="module")
+def offline_run(ray_connected, tiny_target, source):
+    """Extract-then-train on the same conversations, with the same capture actor and worker shape."""
+    run_extract(
+        ExtractConfig.model_validate(extract_raw(tiny_target, source / "conv.jsonl", source / "ds")), progress=False
+    )
+    run_train(TrainConfig.model_validate(train_raw(tiny_target, source / "offline", dataset=str(source / "ds"))))
+    return source / "offline"
+
+
+def _actor_pid(class_name: str) -> int | None:
+    from ray.util.state import list_actors
+
+    alive = list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+    return alive[0].pid if alive else None
+
+
+def _store_bytes(address: str) -> int:
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    return get_memory_info_reply(get_state_from_address(address)).store_stats.object_store_bytes_used
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the process of the first live actor of ``class_name`` once ``ready()`` holds."""
+
+    def __init__(self, class_name: str, ready):
+        super().__init__(daemon=True)
+        self.class_name, self.ready, self.killed, self.stop = class_name, ready, None, False
+
+    def run(self):
+        while not self.stop and self.killed is None:
+            if self.ready() and (pid := _actor_pid(self.class_name)):
+                os.kill(pid, signal.SIGKILL)
+                self.killed = pid
+            time.sleep(0.2)
+
+
+class StoreSampler(threading.Thread):
+    """Bytes in Ray's object store, every 20 ms."""
+
+    def __init__(self, address: str):
+        super().__init__(daemon=True)
+        self.address, self.samples, self.stop = address, [], False
+
+    def run(self):
+        while not self.stop:
+            self.samples.append(_store_bytes(self.address))
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def streamed_run(ray_connected, tiny_target, source, tmp_path_factory):
+    """A streaming run whose capture actor is SIGKILLed after the first checkpoint and whose
+    trainer is SIGKILLed after the second, then rerun (resume: latest) to the end; the object
+    store sampled throughout."""
+    out = tmp_path_factory.mktemp("streamed") / "run"
+    cfg = TrainConfig.model_validate(
+        train_raw(tiny_target, out, data={"stream": str(source / "extract.yaml"), "in_flight": IN_FLIGHT})
+    )
+    ckpt = out / "checkpoints"
+    capture_killer = Killer("StreamCaptureActor", lambda: (ckpt / "step-000004").exists())
+    trainer_killer = Killer("_WorkerProcess", lambda: bool(capture_killer.killed) and (ckpt / "step-000008").exists())
+    sampler = StoreSampler(ray_connected["address"])
+    baseline = _store_bytes(ray_connected["address"])
+    for t in (capture_killer, trainer_killer, sampler):
+        t.start()
+    try:
+        with pytest.raises(RuntimeError, match="the training worker died while training"):
+            run_train(cfg, progress=False)
+    finally:
+        capture_killer.stop = trainer_killer.stop = True
+    assert capture_killer.killed and trainer_killer.killed
+    result = run_train(cfg, progress=False)  # resume: latest
+    sampler.stop = True
+    sampler.join()
+    return {"out": out, "result": result, "store_peak": max(sampler.samples) - baseline}
+
+
+@pytest.mark.ray
+def test_streaming_trains_the_offline_draft_bit_for_bit_through_kills(streamed_run, source, offline_run):
+    out, result = streamed_run["out"], streamed_run["result"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["resume_from"] and int(run["resume_from"][-6:]) >= 8  # resumed after the trainer was killed
+    # the same draft as extract-then-train: every step the same samples, the same values
+    offline = json.loads((offline_run / "final_metrics.json").read_text())
+    steps = result["metrics"]["steps"]
+    assert steps == offline["steps"]
+    name = f"step-{steps:06d}"
+    a = load_file(offline_run / "checkpoints" / name / "model.safetensors")
+    b = load_file(out / "checkpoints" / name / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert result["metrics"]["eval"] == offline["eval"]
+
+    # memory: Ray's object store never held more than the bound, in_flight batches, while over
+    # ten times the bound's worth of batches streamed through it
+    batch_bytes = BATCH_TOKENS * (len(POINTS) * 64 * 4 + 9)  # float32 hidden states, ids and mask
+    assert 0 < streamed_run["store_peak"] <= IN_FLIGHT * batch_bytes
+    assert steps >= 10 * IN_FLIGHT
+
+
+@pytest.mark.ray
+def test_a_streaming_run_stores_only_its_held_out_samples_with_the_offline_provenance(
+    streamed_run, tiny_target, source, offline_run, tmp_path
+):
+    out = streamed_run["out"]
+    run = json.loads((out / "run.json").read_text())
+    offline_ds = DatasetReader(str(source / "ds"))
+    probes = frozenset(Fingerprints.load(str(source / "ds"), name=offline_ds.manifest.fingerprints["path"]).sample_ids)
+    _, held = split_eval(index_samples(offline_ds), 0.1, probes)
+    data = DatasetReader(str(out / "data"))
+    t = data.manifest.totals
+    assert {s.sample_id for s in data.iter_samples()} == {r.sample_id for r in held}
+    assert t.streamed == offline_ds.manifest.totals.rows - len(held) and t.rows == len(held)
+    assert t.input_rows == t.rows + t.quarantined + t.streamed
+    assert run["extra"]["stream"]["rows"]["streamed"] == t.streamed
+    assert [p.relative_to(out).parts[0] for p in out.rglob("*.parquet")] == ["data"] * len(data.shards)
+    assert data.manifest.columns == offline_ds.manifest.columns  # the same per-tensor provenance
+    fa = Fingerprints.load(str(out / "data"), name=data.manifest.fingerprints["path"])
+    fb = Fingerprints.load(str(source / "ds"), name=offline_ds.manifest.fingerprints["path"])
+    assert fa.sample_ids == fb.sample_ids and fa.digests == fb.digests  # the probes' raw tensors, hashed
+    with pytest.raises(ProvenanceMismatch, match="is a streaming run's held-out data: the .* rows it was trained on"):
+        prepare(TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "r", dataset=str(out / "data"))))
+
+    # the artifact's provenance is the offline one's in kind: ids, capture points, fingerprints, weights
+    for engine in ("sglang", "vllm"):
+        ma = json.loads((offline_run / "export" / engine / ARTIFACT_MANIFEST).read_text())
+        mb = json.loads((out / "export" / engine / ARTIFACT_MANIFEST).read_text())
+        for k in ("aux_layer_ids", "aux_capture_points", "target", "content_digest"):
+            assert mb[k] == ma[k], k
+        assert mb["dataset_id"] == data.manifest.dataset_id != ma["dataset_id"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("ids, verdict", [([2, 3, 4], "pass"), ([3, 4, 5], "block")])
+def test_the_gate_judges_a_streamed_draft_as_the_offline_one(
+    streamed_run, offline_run, tiny_target, tmp_path, ids, verdict
+):
+    reports = {}
+    for name, run in (("offline", offline_run), ("streamed", streamed_run["out"])):
+        art = run / "export" / "vllm"
+        draft_cfg = {**json.loads((art / "config.json").read_text()), "eagle_aux_hidden_state_layer_ids": ids}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(draft_cfg))
+        reports[name] = run_validate(
+            ValidateConfig.model_validate(
+                {
+                    "artifact": str(art),
+                    "serving": {
+                        "engine": "vllm",
+                        "dtype": "float32",
+                        "target": {"path": str(tiny_target)},
+                        "draft_config": str(tmp_path / name / "config.json"),
+                        "replay": "hf",
+                    },
+                    "acceptance_prompts": 2,
+                }
+            )
+        )
+    a, b = reports["offline"], reports["streamed"]
+    assert a.decision == b.decision == verdict, (a.reasons, b.reasons)
+    assert [s.ok for s in a.slots] == [s.ok for s in b.slots]
+    assert a.reasons == b.reasons
+
+
+def test_a_stream_config_is_checked_before_anything_starts(tiny_target, source, tmp_path):
+    with pytest.raises(ConfigError, match="give exactly one of dataset"):
+        validate_config(train_raw(tiny_target, tmp_path / "r"), TrainConfig)
+    bad = tmp_path / "x.yaml"
+    bad.write_text(yaml.safe_dump({**extract_raw(tiny_target, source / "conv.jsonl", tmp_path), "capture": ["nope"]}))
+    cfg = TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "r", data={"stream": str(bad)}))
+    with pytest.raises(
+        ConfigError,
+        match=r"(?s)data.stream \(.*x.yaml\): invalid configuration.*capture: .*unknown capture point 'nope'",
+    ):
+        run_train(cfg, progress=False)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.ray
+def test_capture_actors_and_training_workers_are_one_plan_checked_up_front(
+    ray_connected, tiny_target, source, tmp_path
+):
+    """The 2-CPU cluster fits one 1-CPU worker and one 1-CPU capture actor, not two of the actors."""
+    x = extract_raw(tiny_target, source / "conv.jsonl", tmp_path)
+    (tmp_path / "two.yaml").write_text(
+        yaml.safe_dump({**x, "ray": {"num_actors": 2, "cpus_per_actor": 1, "resource_wait_s": 0}})
+    )
+    cfg = TrainConfig.model_validate(
+        train_raw(tiny_target, tmp_path / "r", data={"stream": str(tmp_path / "two.yaml")}, resource_wait_s=0)
+    )
+    with pytest.raises(Exception, match=r"1 workers x cpus_per_worker 1 \+ 2 capture actors x cpus_per_actor 1.*3"):
+        run_train(cfg, progress=False)
+    assert not (tmp_path / "r").exists()
