@@ -177,7 +177,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         path = DEMO_ROOT.resolve() / "train.yaml"
         print(f"no --config: using the embedded default {path}")
         cfg = load_config(path, TrainConfig)
-    out = run_train(cfg, use_ray=not args.no_ray)
+    out = run_train(cfg, use_ray=not args.no_ray, progress=not args.no_progress)
     m = out["metrics"]
     ev = m.get("eval") or {}
     print(
@@ -589,6 +589,7 @@ def _add_job_commands(sub) -> None:
     s = sub.add_parser("train", help="train an EAGLE-3 draft with DeepSpeed on Ray Train, then export it")
     s.add_argument("--config", help="training YAML; default: the embedded demo (after `strata extract`)")
     s.add_argument("--no-ray", action="store_true", help="one worker in this process (no Ray)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars for a streaming run's capture")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("export", help="export a training run's latest checkpoint for SGLang and/or vLLM")

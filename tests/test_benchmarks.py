@@ -146,3 +146,25 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     (p,) = r["plain_process_fixed_s"]["runs"]
     assert 0 < p < r["plain_process_wall_s"]["min"] and 0 < r["job_fixed_s"]["min"] < r["job_wall_s"]["min"]
     assert r["ratios"]["job_fixed_beyond_plain_process_s"] == r["job_fixed_s"]["median"] - p
+
+
+def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):
+    """Tiny sizes: both runs finish, the streaming run stores only its held-out samples, and every
+    process role's memory is sampled; not how fast anything is."""
+    out = tmp_path / "stream.json"
+    bench = Path(__file__).resolve().parent / "benchmarks" / "bench_stream.py"
+    run = subprocess.run(
+        [sys.executable, str(bench), "--shape", "tiny", "--conversations", "40", "--repeats", "1"]
+        + ["--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["wall_s"]["offline"]["min"] > 0 and r["wall_s"]["streaming"]["min"] > 0
+    assert 0 < r["data_bytes"]["streaming"] < r["data_bytes"]["offline"] / 2  # 8 probe samples of 40
+    assert set(r["peak_rss_bytes"]["streaming"]) >= {"driver", "capture_actor", "training_worker"}
+    assert set(r["peak_rss_bytes"]["offline_extract"]) >= {"driver", "capture_actor"}
+    assert "capture_actor" not in r["peak_rss_bytes"]["offline_train"]
+    assert r["peak_total_rss_bytes"]["streaming"] >= r["peak_rss_bytes"]["streaming"]["training_worker"]

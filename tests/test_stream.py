@@ -274,3 +274,32 @@ def test_capture_actors_and_training_workers_are_one_plan_checked_up_front(
     with pytest.raises(Exception, match=r"1 workers x cpus_per_worker 1 \+ 2 capture actors x cpus_per_actor 1.*3"):
         run_train(cfg, progress=False)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.ray
+def test_two_ray_train_workers_stream_their_shares_as_offline(
+    ray_connected, tiny_target, source, offline_run, tmp_path
+):
+    """DeepSpeed ZeRO-2 on two Ray Train workers, each streaming its rank's batches from the one
+    capture actor: the same steps and weights as the same two workers reading the offline dataset."""
+    del offline_run  # its dataset
+    kw = dict(
+        num_workers=2,
+        cpus_per_worker=0.5,
+        max_steps=6,
+        heldout_acceptance={"prompts": 0},
+        export={"engines": ["vllm"], "dtype": "float32"},
+    )
+    runs = {}
+    for name, data in (
+        ("offline", {"dataset": str(source / "ds")}),
+        ("streamed", {"data": {"stream": str(source / "extract.yaml")}}),
+    ):
+        runs[name] = run_train(
+            TrainConfig.model_validate(train_raw(tiny_target, tmp_path / name, **data, **kw)), progress=False
+        )
+    assert runs["offline"]["metrics"]["steps"] == runs["streamed"]["metrics"]["steps"] == 6
+    a = load_file(tmp_path / "offline/checkpoints/step-000006/model.safetensors")
+    b = load_file(tmp_path / "streamed/checkpoints/step-000006/model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
