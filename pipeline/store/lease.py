@@ -91,6 +91,9 @@ class Lease:
     def acquire(self) -> Lease:
         self.record.acquired_at = datetime.now(UTC).isoformat(timespec="seconds")
         cur = self.store.get(self.key)
+        # Counted as held before the write: another thread of this process that reads the record
+        # between this write and the next line must not take it as a run that ended here.
+        _HELD_HERE.add(self.record.run_id)
         try:
             if cur is None:
                 self._etag = self.store.put(self.key, self._body(), if_none_match=True)
@@ -106,11 +109,13 @@ class Lease:
                     "its run is gone" if dead else "expired",
                 )
                 self._etag = self.store.put(self.key, self._body(), if_match=cur[1])
-        except PreconditionFailed:
+        except BaseException as e:
+            _HELD_HERE.discard(self.record.run_id)
+            if not isinstance(e, PreconditionFailed):
+                raise
             now = self.store.get(self.key)
             raise LeaseHeld(LeaseRecord.model_validate_json(now[0]) if now else self.record) from None
         log.info("lease %s taken by %s (ttl %.0f s)", self.name, self.record.owner, self.ttl_s)
-        _HELD_HERE.add(self.record.run_id)
         self._thread = threading.Thread(target=self._renew_loop, name=f"lease-{self.name}", daemon=True)
         self._thread.start()
         return self
