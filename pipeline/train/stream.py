@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 import numpy as np
+import torch
 import yaml
 from tqdm import tqdm
 
@@ -46,10 +47,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StreamSample:
-    """A training sample of a streaming run: the ``index``-th of the run's training samples
-    (source order), as the batch plan needs it."""
+    """A training sample of a streaming run, as the batch plan needs it (its position in the plan's
+    list is its position among the run's training samples, source order)."""
 
-    index: int
     tokens: int
     sample_id: str
 
@@ -126,12 +126,10 @@ class Streamed:
     pool: CapturePool
 
     def train_refs(self) -> list[StreamSample]:
-        return [StreamSample(i, len(s.input_ids), s.sample_id) for i, s in enumerate(self.train)]
+        return [StreamSample(len(s.input_ids), s.sample_id) for s in self.train]
 
     def token_masks(self) -> Iterator[tuple]:
         """(input_ids, loss_mask) of every sample, as the draft vocabulary counts them."""
-        import torch
-
         for s in self.samples:
             yield torch.tensor(s.input_ids, dtype=torch.long), torch.tensor(s.loss_mask, dtype=torch.bool)
 
@@ -238,7 +236,7 @@ class FeedStream:
         idx = self.plan_step(step)
         off = tokens["offsets"]
         actors = self.source.actors
-        actor = actors[(step * 7919 + self.rank) % len(actors)]  # spread steps and ranks over the actors
+        actor = actors[(step + self.rank) % len(actors)]  # consecutive steps, and ranks at one step, differ
         return actor.capture_batch.remote(
             [tokens["ids"][off[i] : off[i + 1]] for i in idx],
             [tokens["mask"][off[i] : off[i + 1]] for i in idx],
