@@ -93,7 +93,15 @@ class TrainConfig(Strict):
         "EAGLE); full_vocab: its full-vocabulary probabilities of the draft tokens (positions weighted by the "
         "target mass inside the draft vocab)",
     )
-    batch_tokens: int = Field(4096, gt=0, description="padded tokens per worker per step")
+    batch_tokens: int = Field(
+        4096, gt=0, description="tokens per worker per step: real tokens when packing, padded ones otherwise"
+    )
+    packing: bool = Field(
+        True,
+        description="pack a batch's sequences end to end in one row (each with its own positions, attending "
+        "only to itself) instead of padding each to the batch's longest: no compute on padding, and the same "
+        "training up to fp32 rounding",
+    )
     epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     eval_fraction: float = Field(0.05, ge=0, lt=1)

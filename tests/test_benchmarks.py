@@ -59,6 +59,12 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
     # less what zstd saves on the exponent planes.
     assert ex["written_bytes_last_run"] <= ex["real_tokens"] * 4 * 4 * 64
     assert set(ex["tokens_per_s"]) == {"bare_forward", "capture"} and r["draft_step"]["ttt"] == 2
+    # packing: the demo's lengths planned as training plans them, both layouts timed
+    for dist in ("demo", "chat"):
+        pk = r["packing"][dist]
+        assert set(pk["real_tokens_per_s"]) == {"padded", "packed"} and pk["packed_over_padded"] > 0
+        assert pk["steps_per_epoch"]["packed"] <= pk["steps_per_epoch"]["padded"]
+    assert r["packing"]["demo"]["padding_fraction_padded"] > 0
     # stamped with what it measured: this checkout's commit (this is a git clone) and the date
     import datetime
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pipeline.draft.model import (
     DraftConfig,
     Eagle3Draft,
+    Layout,
     TargetBatch,
     draft_to_target,
     init_weights,
@@ -211,3 +212,114 @@ def test_loss_equals_specforge_on_the_same_tensors(tmp_path, seed):
     assert torch.allclose(tb.p_draft.sum(-1), torch.ones(B, T))
     with pytest.raises(ValueError, match="soft_target"):
         TargetHead(tmp_path).targets(final, trained, ids, soft_target="nope")
+
+
+def _sequences(lens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    H, V, Vd = CFG.num_aux * CFG.target_hidden_size, CFG.vocab_size, CFG.draft_vocab_size
+    return [
+        {
+            "aux": torch.randn(n, H, generator=g),
+            "ids": torch.randint(0, V, (n,), generator=g),
+            "trained": torch.rand(n, generator=g) > 0.3,
+            "p": torch.softmax(torch.randn(n, Vd, generator=g) * 2, -1),
+            "greedy": torch.randint(0, V, (n,), generator=g),
+        }
+        for n in lens
+    ]
+
+
+def _padded(seqs):
+    B, T = len(seqs), max(len(s["ids"]) for s in seqs)
+    aux, ids = torch.zeros(B, T, seqs[0]["aux"].shape[-1]), torch.zeros(B, T, dtype=torch.long)
+    trained, p = torch.zeros(B, T, dtype=torch.bool), torch.zeros(B, T, CFG.draft_vocab_size)
+    greedy = torch.full((B, T), -1)
+    for b, s in enumerate(seqs):
+        n = len(s["ids"])
+        aux[b, :n], ids[b, :n], trained[b, :n], p[b, :n], greedy[b, :n] = (
+            s[k] for k in ("aux", "ids", "trained", "p", "greedy")
+        )
+    return aux, ids, TargetBatch(p, greedy, torch.ones_like(trained), trained)
+
+
+def _packed(seqs):
+    cat = {k: torch.cat([s[k] for s in seqs])[None] for k in seqs[0]}
+    in_vocab = torch.ones_like(cat["trained"])
+    return cat["aux"], cat["ids"], TargetBatch(cat["p"], cat["greedy"], in_vocab, cat["trained"])
+
+
+def _loss_and_grads(m, batch, seq_lens, steps=5):
+    m.zero_grad(set_to_none=True)
+    out = m(*batch, steps=steps, seq_lens=seq_lens)
+    out.loss.backward()
+    return out, {k: p.grad.clone() for k, p in m.named_parameters() if p.grad is not None}
+
+
+def test_a_packed_batch_trains_as_its_sequences_padded():
+    """Sequences end to end in one row (each with its own positions, attending to itself, scored
+    up to its own end) give the loss, counts and gradients of the same sequences padded to rows --
+    equal up to fp32 rounding: the sums over positions add the same terms in another layout, so
+    bit-for-bit equality is not what either layout's kernels promise. A row that let sequences see
+    each other, or that ran on past a sequence's end, differs by orders of magnitude more."""
+    torch.manual_seed(0)
+    m = Eagle3Draft(CFG)
+    init_weights(m, 0)
+    lens = [23, 12, 40, 16, 5]
+    seqs = _sequences(lens)
+    padded, p_grads = _loss_and_grads(m, _padded(seqs), lens)
+    packed, q_grads = _loss_and_grads(m, _packed(seqs), lens)
+    torch.testing.assert_close(packed.step_loss, padded.step_loss, rtol=1e-6, atol=0)
+    assert torch.equal(packed.correct, padded.correct) and torch.equal(packed.counted, padded.counted)
+    # every trained position of every sequence, minus the last i+2 of each at step i
+    expect = [sum(int(s["trained"][i + 2 :].sum()) for s in seqs) for i in range(5)]
+    assert packed.counted.tolist() == expect
+    for k, g in p_grads.items():
+        torch.testing.assert_close(q_grads[k], g, rtol=1e-5, atol=1e-6 * float(g.abs().max())), k
+    # the loss is a mean over real positions: the padded layout's extra positions add nothing
+    wide = _padded(seqs)
+    pad = (0, 0, 0, 9)
+    wider = (
+        F.pad(wide[0], pad),
+        F.pad(wide[1], (0, 9)),
+        TargetBatch(
+            *(
+                F.pad(t, pad if t.dim() == 3 else (0, 9))
+                for t in (wide[2].p_draft, wide[2].greedy, wide[2].in_draft_vocab, wide[2].trained)
+            )
+        ),
+    )
+    torch.testing.assert_close(
+        m(*wider, steps=5, seq_lens=lens).step_loss.detach(), padded.step_loss, rtol=1e-6, atol=0
+    )
+    # the same row read as one long sequence: neighbours seen, positions run on, ends crossed
+    one, _ = _loss_and_grads(m, _packed(seqs), [sum(lens)])
+    assert (one.step_loss - packed.step_loss).abs().max() > 1e-3 * packed.step_loss.abs().max()
+    assert one.counted.sum() > packed.counted.sum()
+    with pytest.raises(ValueError, match="packed batch"):
+        m(*_packed(seqs), steps=2, seq_lens=[*lens[:-1], lens[-1] + 1])
+
+
+def test_a_packed_batch_drafts_every_position_as_the_padded_batch_bit_for_bit(request):
+    """The forward of a packed row equals the padded batch's at every position a sequence's own
+    tokens reach, bit for bit: the attention runs on the sequences set out as rows -- the very SDPA
+    call the padded batch makes -- and everything else row by row. fp32 matmuls round a row the same
+    wherever it sits in the matrix on one thread for rows of 12 tokens or more (see
+    ``test_hf_engine``); the backward's sums over positions are another matter (the test above)."""
+    threads = torch.get_num_threads()
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    torch.set_num_threads(1)
+    m = Eagle3Draft(CFG)
+    init_weights(m, 3)
+    lens = [14, 30, 12, 21]
+    seqs = _sequences(lens, seed=4)
+    aux, ids, _ = _packed(seqs)
+    paux, pids, _ = _padded(seqs)
+    with torch.no_grad():
+        packed = list(m.unroll(aux, ids, 4, Layout.of(ids, lens)))
+        padded = list(m.unroll(paux, pids, 4, Layout.of(pids, lens)))
+    for i in range(4):
+        at = 0
+        for b, length in enumerate(lens):
+            keep = length - i - 1  # positions whose tokens stay inside the sequence at step i
+            assert torch.equal(packed[i][0, at : at + keep], padded[i][b, :keep]), (i, b)
+            at += length

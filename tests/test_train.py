@@ -425,17 +425,19 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
     from pipeline.data.stdlib import write_conversations
     from pipeline.fingerprint import Fingerprints
     from pipeline.store.reader import DatasetReader, index_samples
-    from pipeline.train.data import plan_epoch
+    from pipeline.train.plan import plan_epoch
 
     write_conversations(tmp_path / "conv.jsonl", n=400)
     extract(tiny_target, tmp_path / "conv.jsonl", dataset := tmp_path / "ds")
     reader = DatasetReader(str(dataset))
     probes = frozenset(Fingerprints.load(str(dataset), name=reader.manifest.fingerprints["path"]).sample_ids)
     train, _ = split_eval(index_samples(reader), 0.0, probes)  # what training will train on
-    bt = next(
-        b for b in range(600, 4000, 40) if len(plan_epoch(train, b, 1, 0, 0)) > len(plan_epoch(train, b, 1, 0, 1))
-    )
-    lens = [len(plan_epoch(train, bt, 1, 0, e)) for e in (0, 1)]
+
+    def steps(b: int, epoch: int) -> int:
+        return len(plan_epoch(train, b, 1, 0, epoch, packed=True))  # training packs by default
+
+    bt = next(b for b in range(600, 4000, 40) if steps(b, 0) > steps(b, 1))
+    lens = [steps(bt, e) for e in (0, 1)]
     cfg = TrainConfig.model_validate(
         train_cfg(
             tiny_target,
@@ -452,6 +454,61 @@ def test_epochs_of_different_lengths_run_each_batch_once(tiny_target, tmp_path):
     result = run_train(cfg, use_ray=False)
     assert result["metrics"]["steps"] == sum(lens), (lens, result["metrics"]["steps"])
     assert result["metrics"]["train"]["epoch"] == 1
+
+
+def test_packed_training_equals_padded_training_on_the_same_batches(tiny_target, dataset, tmp_path, monkeypatch):
+    """The whole loop (DeepSpeed ZeRO-2 in fp32, two epochs, evaluation) with each batch's sequences
+    packed end to end, against the same batches padded to rows: the same draft up to fp32 rounding
+    (the sums over positions add the same terms in another layout), the same counts exactly. A
+    packed batch holds no padding; its real tokens stay within batch_tokens."""
+    from pipeline.train import loop, plan, trainer
+
+    def same_groups(*a, packed, **kw):  # both runs take the packed plan's batches
+        return plan.plan_epoch(*a, packed=True, **kw)
+
+    monkeypatch.setattr(loop, "plan_epoch", same_groups)
+    monkeypatch.setattr(trainer, "plan_epoch", same_groups)
+    seen: dict[bool, list] = {True: [], False: []}
+    step = trainer.Trainer.step
+
+    def spy(self, batch):
+        seen[self.cfg.packing].append((batch.input_ids.shape, batch.tokens, batch.seq_lens.tolist()))
+        return step(self, batch)
+
+    monkeypatch.setattr(trainer.Trainer, "step", spy)
+    runs = {}
+    for packing in (True, False):
+        cfg = train_cfg(
+            tiny_target,
+            dataset,
+            tmp_path / f"packing-{packing}",
+            num_workers=1,
+            epochs=2,
+            checkpoint_every=1000,
+            heldout_acceptance={"prompts": 0},
+            packing=packing,
+        )
+        runs[packing] = run_train(TrainConfig.model_validate(cfg), use_ray=False, progress=False)["metrics"]
+    packed, padded = seen[True], seen[False]
+    assert [x[1:] for x in packed] == [x[1:] for x in padded] and len(packed) > 8
+    assert all(shape == (1, tokens) for shape, tokens, _ in packed)  # one row, no padding
+    assert all(tokens <= 1024 or len(lens) == 1 for _, tokens, lens in packed)
+    assert any(shape[0] * shape[1] > tokens for shape, tokens, _ in padded)  # padding the packed batches drop
+    assert sum(len(lens) > 1 for *_, lens in packed) > len(packed) // 2
+    for split in ("train", "eval"):
+        a, b = runs[True][split], runs[False][split]
+        assert a["tokens"] == b["tokens"], split
+        assert a["acc_per_pos"] == pytest.approx(b["acc_per_pos"], abs=0.02), split
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), split
+
+    def final_weights(packing: bool) -> dict:  # fp32, as trained (the export is bf16)
+        ckpt = tmp_path / f"packing-{packing}" / "checkpoints"
+        latest = json.loads((ckpt / "latest.json").read_text())["checkpoint"]
+        return load_file(str(ckpt / latest / "model.safetensors"))
+
+    wa, wb = final_weights(True), final_weights(False)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-5), k
 
 
 @pytest.mark.ray

@@ -11,9 +11,16 @@ V target vocab, Vd draft vocab, h heads, d head dim.
                                              their own keys k_1[t]..k_i[t]
         h_{i+1} = h_attn + mlp(post_attention_layernorm(h_attn))   (pre-norm: fed back)
         logits_i = lm_head(norm(h_{i+1}))    [.., Vd]  predicts token t+i+2
-    loss = sum_i 0.8^i * mean over all B*T positions of
+    loss = sum_i 0.8^i * mean over the batch's real positions of
            mask * softCE(logits_i, softmax of the target's draft-vocab logits at t+i+1)
-    (SpecForge's definition: renormalised over the draft vocab, averaged over every position)
+    (SpecForge's definition -- renormalised over the draft vocab, averaged over every position
+    of an unpadded sequence -- with padding left out of the mean, so the loss is the same
+    whether a batch pads its sequences to rows or packs them end to end)
+
+A batch holds one sequence per row (padded to the longest) or several end to end in one row
+(packed, ``seq_lens`` giving their lengths): a packed sequence keeps its own positions, is
+scored only up to its own end, and for attention is set out as a row of the padded layout
+(``Layout``), so it attends only to itself and drafts exactly what the padded batch drafts.
 
 Weight names match SpecForge / SGLang / vLLM EAGLE-3 checkpoints (fc, midlayer.*, norm,
 lm_head, d2t, t2d). The token embedding is the target's, frozen and never saved.
@@ -112,6 +119,52 @@ def ttt_attention(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(q.shape[2], len(ks), q.device))
 
 
+@dataclass
+class Layout:
+    """Where a batch's sequences lie: one per row, padded to the longest, or end to end in a
+    single row (packed). A packed batch's attention runs on its sequences set out as rows
+    (``rows``): one SDPA call, the one the padded batch makes, with no work across sequences;
+    everything else runs on the real tokens alone."""
+
+    positions: torch.Tensor  # [T] each token's position in its own sequence
+    remaining: torch.Tensor  # [B, T] tokens after this one in its own sequence (negative on padding)
+    tokens: int  # real tokens, padding excluded: what the loss averages over
+    rows: tuple[int, int] | None = None  # packed: (sequences, longest) of the attention's padded rows
+    slots: torch.Tensor | None = None  # packed: each token's place in those rows, flattened
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, seq_lens: torch.Tensor | list[int] | None = None) -> Layout:
+        """``seq_lens``: one length per row (padded), or the lengths packed in one row; None: rows are full."""
+        B, T = input_ids.shape
+        dev = input_ids.device
+        lens = [T] * B if seq_lens is None else [int(x) for x in seq_lens]
+        if len(lens) == B:
+            t = torch.arange(T, device=dev)
+            return cls(t, torch.as_tensor(lens, device=dev)[:, None] - 1 - t[None, :], sum(lens))
+        if B != 1 or sum(lens) != T:
+            raise ValueError(f"a packed batch is one row of its sequences end to end: {lens} in [{B}, {T}]")
+        longest = max(lens)
+        positions = torch.cat([torch.arange(length, device=dev) for length in lens])
+        row = torch.repeat_interleave(torch.arange(len(lens), device=dev), torch.as_tensor(lens, device=dev))
+        counts = torch.as_tensor(lens, device=dev)[row]
+        return cls(positions, (counts - 1 - positions)[None, :], T, (len(lens), longest), row * longest + positions)
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, h, T, d] packed -> [S, h, longest, d], zeros past each sequence's end."""
+        assert self.rows is not None and self.slots is not None
+        S, longest = self.rows
+        flat = x[0].transpose(0, 1)  # [T, h, d]
+        out = flat.new_zeros(S * longest, *flat.shape[1:]).index_copy(0, self.slots, flat)
+        return out.view(S, longest, *flat.shape[1:]).transpose(1, 2)
+
+    def from_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`to_rows` on the real tokens."""
+        assert self.rows is not None and self.slots is not None
+        S, longest = self.rows
+        flat = y.transpose(1, 2).reshape(S * longest, y.shape[1], y.shape[3])  # [S*longest, h, d]
+        return flat.index_select(0, self.slots).transpose(0, 1)[None]
+
+
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -123,19 +176,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, c.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        ks: list[torch.Tensor],
+        vs: list[torch.Tensor],
+        layout: Layout | None = None,
     ) -> torch.Tensor:
-        """x [B,T,2H] -> [B,T,H]; appends this step's (GQA-expanded) keys/values to ks/vs."""
+        """x [B,T,2H] -> [B,T,H]; appends this step's (GQA-expanded) keys/values to ks/vs (as rows)."""
         B, T, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        packed = layout is not None and layout.rows is not None
+        if packed:
+            q, k, v = layout.to_rows(q), layout.to_rows(k), layout.to_rows(v)
         rep = c.num_attention_heads // c.num_key_value_heads
         ks.append(k.repeat_interleave(rep, dim=1))
         vs.append(v.repeat_interleave(rep, dim=1))
         a = ttt_attention(q, ks, vs)
+        if packed:
+            a = layout.from_rows(a)
         return self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -168,10 +231,11 @@ class MidLayer(nn.Module):
         positions: torch.Tensor,
         ks: list[torch.Tensor],
         vs: list[torch.Tensor],
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         """One step: the token embedding and the previous state -> h_{i+1} (pre-norm, fed back)."""
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
-        h_attn = h + self.self_attn(x, positions, ks, vs)
+        h_attn = h + self.self_attn(x, positions, ks, vs, layout)
         return h_attn + self.mlp(self.post_attention_layernorm(h_attn))
 
 
@@ -196,24 +260,25 @@ class Eagle3Draft(nn.Module):
         positions: torch.Tensor,
         ks: list[torch.Tensor],
         vs: list[torch.Tensor],
+        layout: Layout | None = None,
     ) -> torch.Tensor:
         """Run the midlayer once; appends this step's keys/values to ks/vs; returns h_{i+1}."""
-        return self.midlayer(self.embed_tokens(tokens), h, positions, ks, vs)
+        return self.midlayer(self.embed_tokens(tokens), h, positions, ks, vs, layout)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
 
     # -- training-time test -------------------------------------------------------------------
-    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int):
+    def unroll(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, layout: Layout | None = None):
         """Yield h_{i+1} [B,T,H] for steps i = 0..steps-1 (the draft's pre-norm outputs)."""
-        T = input_ids.shape[1]
+        layout = layout or Layout.of(input_ids)
         h = self.fc(aux.to(self.fc.weight.dtype))
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        base = torch.arange(T, device=input_ids.device)
         for i in range(steps):
-            # Position t at step i reads token t+i+1 (and sits at position t+i).
-            h = self.step(shift(input_ids, i + 1, fill=0), h, base + i, ks, vs)
+            # Position t at step i reads token t+i+1 (and sits at position t+i). Past a packed
+            # sequence's end that is the next sequence's token: never scored (``Layout.remaining``).
+            h = self.step(shift(input_ids, i + 1, fill=0), h, layout.positions + i, ks, vs, layout)
             yield h
 
     def forward(
@@ -223,22 +288,25 @@ class Eagle3Draft(nn.Module):
         target: TargetBatch,
         steps: int = 7,
         decay: float = 0.8,
+        seq_lens: torch.Tensor | list[int] | None = None,
     ) -> TTTOutput:
         """Unroll ``steps`` draft steps over whole sequences and score them against the target.
 
         At step i, position t predicts token t+i+2, which the target predicted at position
-        t+i+1; it counts when that token is trained (assistant, not padding). Positions whose
-        target token is outside the draft vocab are left out of the loss and count as wrong.
+        t+i+1; it counts when that token is trained (assistant, not padding) and lies in t's
+        own sequence. Positions whose target token is outside the draft vocab are left out of
+        the loss and count as wrong. ``seq_lens``: see :meth:`Layout.of`.
         """
+        layout = Layout.of(input_ids, seq_lens)
         losses, correct, counted = [], [], []
         total = aux.new_zeros((), dtype=torch.float32)
-        for i, h in enumerate(self.unroll(aux, input_ids, steps)):
+        for i, h in enumerate(self.unroll(aux, input_ids, steps, layout)):
             logits = self.logits(h).float()
-            trained = shift(target.trained, i + 2, fill=False)
+            trained = shift(target.trained, i + 2, fill=False) & (layout.remaining >= i + 2)
             mask = trained & shift(target.in_draft_vocab, i + 1, fill=False)
             p = shift(target.p_draft, i + 1, fill=0.0)
             ce = -(p * logits.log_softmax(-1)).sum(-1)
-            loss_i = (ce * mask).sum() / mask.numel()  # SpecForge: a mean over every position
+            loss_i = (ce * mask).sum() / layout.tokens  # SpecForge's mean over positions, padding left out
             total = total + (decay**i) * loss_i
             draft_argmax = logits.argmax(-1)
             hit = (draft_to_target(draft_argmax, self.d2t) == shift(target.greedy, i + 1, fill=-1)) & trained

@@ -1,20 +1,18 @@
-"""Training data: index the dataset, plan length-bucketed batches deterministically, and
-stream decoded batches (through Ray Data when running on Ray).
-
-The plan is a pure function of (dataset, seed, epoch, world size), so a resumed run
-continues at exactly the step where it stopped.
+"""Training data: split the dataset, and stream the decoded batches of the plan
+(:func:`pipeline.train.plan.plan_epoch`), through Ray Data when running on Ray. A batch is
+packed -- its sequences end to end in one row, nothing padded -- or padded, one sequence per row.
 """
 
 from __future__ import annotations
 
 import hashlib
 import queue
-import random
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -41,74 +39,74 @@ def split_eval(
     return train, [r for r in refs if held_out(r)]
 
 
-def plan_epoch(
-    refs: list[SampleRef],
-    batch_tokens: int,
-    world: int,
-    seed: int,
-    epoch: int,
-    window: int = 256,
-) -> list[list[list[int]]]:
-    """steps x workers x sample indices. Length bucketing: shuffle, sort within windows,
-    pack each batch up to ``batch_tokens`` padded tokens, shuffle batches."""
-    rng = random.Random(seed * 100_003 + epoch)
-    order = list(range(len(refs)))
-    rng.shuffle(order)
-    batches: list[list[int]] = []
-    for w in range(0, len(order), window):
-        chunk = sorted(order[w : w + window], key=lambda i: -refs[i].tokens)
-        cur: list[int] = []
-        for i in chunk:
-            if cur and refs[cur[0]].tokens * (len(cur) + 1) > batch_tokens:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    rng.shuffle(batches)
-    steps = len(batches) // world
-    return [[batches[s * world + r] for r in range(world)] for s in range(steps)]
-
-
 @dataclass
 class Batch:
     aux: torch.Tensor  # [B,T,A*H] float32
     final: torch.Tensor  # [B,T,H] float32
     input_ids: torch.Tensor  # [B,T] long (padding 0)
     loss_mask: torch.Tensor  # [B,T] bool (padding False)
+    seq_lens: torch.Tensor  # [S] long: one per row (padded), or end to end in the one row (packed)
+
+    FIELDS = ("aux", "final", "input_ids", "loss_mask", "seq_lens")
 
     @property
     def tokens(self) -> int:
-        return int(self.loss_mask.numel())
+        """Real tokens, padding excluded."""
+        return int(self.seq_lens.sum())
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(*(getattr(self, k).to(device) for k in self.FIELDS))
 
 
-def load_batch(reader: DatasetReader, refs: list[SampleRef], aux: list[str], final: str) -> dict[str, np.ndarray]:
-    """Decode samples into padded numpy arrays (numpy: it crosses Ray Data)."""
+class BatchArrays:
+    """A batch's numpy arrays (numpy: it crosses Ray Data and the object store), filled one
+    sample at a time: the one layout both the dataset reader and the streaming capture write."""
+
+    def __init__(self, lengths: list[int], packed: bool):
+        self.lengths = lengths
+        B, T = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
+        self.starts = [(0, o) for o in accumulate(lengths[:-1], initial=0)] if packed else [(j, 0) for j in range(B)]
+        self.d: dict[str, np.ndarray] = {
+            "input_ids": np.zeros((B, T), np.int64),
+            "loss_mask": np.zeros((B, T), np.bool_),
+            "seq_lens": np.asarray(lengths, np.int64),
+        }
+
+    def put(self, j: int, input_ids, loss_mask, aux: np.ndarray, final: np.ndarray) -> None:
+        """Sample ``j``'s tokens, loss mask, aux states [n, A*H] and final state [n, H]."""
+        if "aux" not in self.d:
+            B, T = self.d["input_ids"].shape
+            self.d["aux"] = np.zeros((B, T, aux.shape[-1]), np.float32)
+            self.d["final"] = np.zeros((B, T, final.shape[-1]), np.float32)
+        (row, start), end = self.starts[j], self.starts[j][1] + self.lengths[j]
+        for k, v in (("input_ids", input_ids), ("loss_mask", loss_mask), ("aux", aux), ("final", final)):
+            self.d[k][row, start:end] = v
+
+
+def load_batch(
+    reader: DatasetReader, refs: list[SampleRef], aux: list[str], final: str, packed: bool = False
+) -> dict[str, np.ndarray]:
+    """Decode samples into a batch's numpy arrays."""
     by_group: dict[tuple[str, int], list[int]] = defaultdict(list)
     for j, r in enumerate(refs):
         by_group[(r.shard, r.row_group)].append(j)
-    T = max(r.tokens for r in refs)
-    B = len(refs)
-    h = reader.provenance(final).hidden_size
-    out = {
-        "aux": np.zeros((B, T, len(aux) * h), np.float32),
-        "final": np.zeros((B, T, h), np.float32),
-        "input_ids": np.zeros((B, T), np.int64),
-        "loss_mask": np.zeros((B, T), np.bool_),
-    }
+    out = BatchArrays([r.tokens for r in refs], packed)
     for (shard, rg), js in by_group.items():
         table = reader.read_row_group(shard, rg)
         for j in js:
-            i, n = refs[j].row, refs[j].tokens
-            out["input_ids"][j, :n] = table["input_ids"][i].values.to_numpy()
-            out["loss_mask"][j, :n] = table["loss_mask"][i].values.to_numpy().astype(bool)
-            out["aux"][j, :n] = torch.cat([reader.decode(table, i, p).float() for p in aux], dim=-1).numpy()
-            out["final"][j, :n] = reader.decode(table, i, final).float().numpy()
-    return out
+            i = refs[j].row
+            out.put(
+                j,
+                table["input_ids"][i].values.to_numpy(),
+                table["loss_mask"][i].values.to_numpy().astype(bool),
+                torch.cat([reader.decode(table, i, p).float() for p in aux], dim=-1).numpy(),
+                reader.decode(table, i, final).float().numpy(),
+            )
+    return out.d
 
 
 def to_batch(d: dict[str, np.ndarray]) -> Batch:
-    return Batch(*(torch.as_tensor(np.asarray(d[k])) for k in ("aux", "final", "input_ids", "loss_mask")))
+    return Batch(*(torch.as_tensor(np.asarray(d[k])) for k in Batch.FIELDS))
 
 
 class BatchStream:
@@ -127,8 +125,9 @@ class BatchStream:
         use_ray: bool,
         cpus_per_task: float = 0.25,
         stall_timeout_s: float | None = None,
+        packed: bool = False,
     ):
-        self.uri, self.s3, self.refs, self.rank = dataset_uri, s3, refs, rank
+        self.uri, self.s3, self.refs, self.rank, self.packed = dataset_uri, s3, refs, rank, packed
         self.items = [(s, plan[s][rank]) for s in range(start_step, len(plan))]
         self.aux, self.final = [str(p) for p in aux], str(final)
         self.use_ray, self.cpus, self.stall_timeout_s = use_ray, cpus_per_task, stall_timeout_s
@@ -154,7 +153,8 @@ class BatchStream:
         def produce() -> None:
             try:
                 for step, idx in self.items:
-                    q.put((step, to_batch(load_batch(reader, [self.refs[i] for i in idx], self.aux, self.final))))
+                    batch = load_batch(reader, [self.refs[i] for i in idx], self.aux, self.final, self.packed)
+                    q.put((step, to_batch(batch)))
             except BaseException as e:  # re-raised in the consumer
                 q.put(e)
             q.put(done)
@@ -170,11 +170,11 @@ class BatchStream:
 
         if not self.items:
             return
-        uri, s3, refs, aux, final = self.uri, self.s3, self.refs, self.aux, self.final
+        uri, s3, refs, aux, final, packed = self.uri, self.s3, self.refs, self.aux, self.final, self.packed
 
         def decode(item: dict) -> dict:
             reader = DatasetReader(uri, s3, verify_checksums=False)
-            d = load_batch(reader, [refs[i] for i in item["idx"]], aux, final)
+            d = load_batch(reader, [refs[i] for i in item["idx"]], aux, final, packed)
             return {"step": item["step"], **{k: v for k, v in d.items()}}
 
         ctx = ray.data.DataContext.get_current()

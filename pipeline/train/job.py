@@ -228,7 +228,7 @@ def run_train(cfg: TrainConfig, use_ray: bool = True, progress: bool = True) -> 
         plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
         plan_json = json.dumps(dataclasses.asdict(plan))
         if streamed is not None:
-            stream_source = stream.source_of(streamed, plan.aux, plan.final, cfg.data.in_flight)  # type: ignore[union-attr]
+            stream_source = stream.source_of(streamed, plan.aux, plan.final, cfg.data.in_flight, cfg.packing)  # type: ignore[union-attr]
         with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
             if not use_ray:
                 result = _fit_in_process(plan_json)

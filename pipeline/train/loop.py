@@ -26,9 +26,9 @@ from pipeline.train.checkpoint import (
     RNGState,
     TrainState,
 )
-from pipeline.train.data import BatchStream, SampleRef, plan_epoch
+from pipeline.train.data import BatchStream, SampleRef
 from pipeline.train.metrics import MetricsLog, MetricsWindow
-from pipeline.train.plan import RunPlan
+from pipeline.train.plan import RunPlan, plan_epoch
 from pipeline.train.stream import FeedStream, StreamSample
 from pipeline.train.trainer import Trainer, import_deepspeed
 from schemas.train import TrainConfig
@@ -44,7 +44,7 @@ def epoch_plans(plan: RunPlan, cfg: TrainConfig, world: int) -> tuple[list[list]
     Epochs pack differently, so they can differ in step count: a step's epoch comes from the
     cumulative counts, never from step // len(first epoch)."""
     refs = train_refs(plan)
-    plans = [plan_epoch(refs, cfg.batch_tokens, world, cfg.seed, e) for e in range(cfg.epochs)]
+    plans = [plan_epoch(refs, cfg.batch_tokens, world, cfg.seed, e, packed=cfg.packing) for e in range(cfg.epochs)]
     epoch_start = [sum(len(p) for p in plans[:e]) for e in range(cfg.epochs + 1)]
     total = min(cfg.max_steps or 10**12, epoch_start[-1])
     if total == 0:
@@ -125,6 +125,7 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
                 trainer.final,
                 use_ray=plan.use_ray_data,
                 stall_timeout_s=cfg.stall_timeout_s,
+                packed=cfg.packing,
             )
         for _, batch in stream:
             t0 = time.perf_counter()

@@ -3,13 +3,13 @@ hidden states are never stored.
 
 The driver tokenizes the source (token counts decide the batch plan, as an offline run's
 dataset index does), stores the held-out samples -- evaluation and fingerprint probes -- as a
-regular dataset in the run's ``data/``, whose manifest also counts every streamed row, and
-starts a :class:`Feeder`: one actor that keeps each training worker's next ``in_flight``
-batches being captured and hands them over in plan order. A streamed batch is what the
-offline reader decodes from Parquet, bit for bit: the same samples in the same order, the
-values rounded to the same stored dtype, the same padding. Capture actors that die are
-restarted by Ray and their batch captured again (capture is deterministic); a trainer that
-dies resumes from its checkpoint, and the feeder starts from that step.
+regular dataset in the run's ``data/``, whose manifest also counts every streamed row. Each
+training worker then keeps its next ``in_flight`` batches being captured on the capture actors
+(:class:`FeedStream`) and takes them in plan order. A streamed batch is what the offline
+reader decodes from Parquet, bit for bit: the same samples in the same order, the values
+rounded to the same stored dtype, the same layout (packed or padded). Capture actors that die
+are restarted by Ray and their batch captured again (capture is deterministic); a trainer that
+dies resumes from its checkpoint, and its stream starts from that step.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pipeline.identity import target_identity
 from pipeline.store.encoding import bits_to_torch, join_planes
 from pipeline.store.reader import ProvenanceMismatch
 from pipeline.store.writer import SampleMeta
-from pipeline.train.data import Batch, split_eval, to_batch
+from pipeline.train.data import Batch, BatchArrays, split_eval, to_batch
 from schemas.config import ConfigError, validate_config
 from schemas.extract import ExtractConfig
 from schemas.manifest import DatasetManifest
@@ -81,37 +81,34 @@ def extract_config(cfg: TrainConfig) -> ExtractConfig:
 
 
 class StreamCaptureActor(CaptureActor):
-    """A capture actor that also captures training batches for the :class:`Feeder`."""
+    """A capture actor that also captures training batches for the workers' :class:`FeedStream`."""
 
     def capture_batch(
-        self, ids: list[np.ndarray], masks: list[np.ndarray], sample_ids: list[str], aux: list[str], final: str
+        self,
+        ids: list[np.ndarray],
+        masks: list[np.ndarray],
+        sample_ids: list[str],
+        aux: list[str],
+        final: str,
+        packed: bool,
     ) -> dict:
-        """The padded batch ``train.data.load_batch`` decodes from Parquet, for these samples."""
+        """The batch ``train.data.load_batch`` decodes from Parquet, for these samples: values
+        rounded to the stored dtype, laid out the same."""
         worker = self.worker
         engine = worker.writer().engine
         dtype = worker.cfg.engine.dtype
         lengths = [len(x) for x in ids]
-        B, T = len(ids), max(lengths)
-        out: dict = {"input_ids": np.zeros((B, T), np.int64), "loss_mask": np.zeros((B, T), np.bool_)}
+        out = BatchArrays(lengths, packed)
         for group in engine.plan_batches(lengths):
             cb = engine.capture([ids[i].tolist() for i in group])
             spans = pairwise(accumulate(cb.lengths, initial=0))  # each sample's tokens in the packed row
             for i, (lo, hi) in zip(group, spans, strict=True):
-                count = len(ids[i])
                 vals = {
                     p: bits_to_torch(join_planes(list(cb.planes[p][:, lo:hi])), dtype).float().numpy()
                     for p in [*aux, final]
                 }
-                if "aux" not in out:
-                    h = vals[final].shape[-1]
-                    out["aux"] = np.zeros((B, T, len(aux) * h), np.float32)
-                    out["final"] = np.zeros((B, T, h), np.float32)
-                out["aux"][i, :count] = np.concatenate([vals[p] for p in aux], axis=-1)
-                out["final"][i, :count] = vals[final]
-                out["input_ids"][i, :count] = ids[i]
-                out["loss_mask"][i, :count] = masks[i]
-        out["sample_ids"] = list(sample_ids)
-        return out
+                out.put(i, ids[i], masks[i], np.concatenate([vals[p] for p in aux], axis=-1), vals[final])
+        return {**out.d, "sample_ids": list(sample_ids)}
 
 
 @dataclass
@@ -204,9 +201,10 @@ class StreamSource:
     aux: list[str]
     final: str
     in_flight: int
+    packed: bool
 
 
-def source_of(streamed: Streamed, aux: list[str], final: str, in_flight: int) -> StreamSource:
+def source_of(streamed: Streamed, aux: list[str], final: str, in_flight: int, packed: bool) -> StreamSource:
     import ray
 
     lengths = [len(s.input_ids) for s in streamed.train]
@@ -216,7 +214,7 @@ def source_of(streamed: Streamed, aux: list[str], final: str, in_flight: int) ->
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "sample_ids": [s.sample_id for s in streamed.train],
     }
-    return StreamSource(streamed.pool.actors, ray.put(tokens), aux, final, in_flight)
+    return StreamSource(streamed.pool.actors, ray.put(tokens), aux, final, in_flight, packed)
 
 
 class FeedStream:
@@ -243,6 +241,7 @@ class FeedStream:
             [tokens["sample_ids"][i] for i in idx],
             self.source.aux,
             self.source.final,
+            self.source.packed,
         )
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
@@ -276,7 +275,7 @@ class FeedStream:
                     f"streamed batch for step {step} on rank {self.rank} holds samples {d['sample_ids'][:3]}..., "
                     f"the plan gives {want[:3]}...: refusing to train a sample twice or skip one"
                 )
-            batch = to_batch({k: np.array(d[k]) for k in ("aux", "final", "input_ids", "loss_mask")})
+            batch = to_batch({k: np.array(d[k]) for k in Batch.FIELDS})
             del d, ref  # out of the object store now
             self.wait_s += time.perf_counter() - t0
             yield step, batch

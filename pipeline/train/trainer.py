@@ -19,9 +19,9 @@ from pipeline.draft.model import DraftConfig, Eagle3Draft, init_weights
 from pipeline.draft.target_head import TargetHead, load_embedding
 from pipeline.dtypes import torch_dtype
 from pipeline.store.fs import join, read_bytes, resolve
-from pipeline.train.data import Batch, BatchStream, SampleRef, plan_epoch
+from pipeline.train.data import Batch, BatchStream, SampleRef
 from pipeline.train.metrics import StepSums
-from pipeline.train.plan import RunPlan
+from pipeline.train.plan import RunPlan, plan_epoch
 from schemas.capture import CapturePoint
 from schemas.train import TrainConfig
 
@@ -136,10 +136,15 @@ class Trainer:
         return self.scheduler.get_last_lr()[0]
 
     def forward(self, batch: Batch):
-        b = Batch(*(t.to(self.device) for t in (batch.aux, batch.final, batch.input_ids, batch.loss_mask)))
+        b = batch.to(self.device)
         target = self.head.targets(b.final, b.loss_mask, self.draft_ids, soft_target=self.cfg.soft_target)
         return self.engine(
-            b.aux.to(self.dtype), b.input_ids, target, steps=self.cfg.ttt_steps, decay=self.cfg.loss_decay
+            b.aux.to(self.dtype),
+            b.input_ids,
+            target,
+            steps=self.cfg.ttt_steps,
+            decay=self.cfg.loss_decay,
+            seq_lens=b.seq_lens.tolist(),
         )
 
     def step(self, batch: Batch):
@@ -155,11 +160,14 @@ class Trainer:
         refs = [SampleRef(**r) for r in self.plan.eval_refs]
         if not refs:
             return {}
-        batches = plan_epoch(refs, self.cfg.batch_tokens, 1, self.cfg.seed, 0)
+        packed = self.cfg.packing
+        batches = plan_epoch(refs, self.cfg.batch_tokens, 1, self.cfg.seed, 0, packed=packed)
         mine = [[b[0]] for i, b in enumerate(batches) if i % world == rank]
         sums = StepSums(self.cfg.ttt_steps, self.device)
         self.engine.eval()
-        stream = BatchStream(self.cfg.dataset, self.cfg.s3, refs, mine, 0, 0, self.aux, self.final, use_ray=False)
+        stream = BatchStream(
+            self.cfg.dataset, self.cfg.s3, refs, mine, 0, 0, self.aux, self.final, use_ray=False, packed=packed
+        )
         for _, batch in stream:
             sums.add(self.forward(batch), batch.tokens)
         self.engine.train()

@@ -12,9 +12,16 @@ JSON; every figure is a ratio against a baseline measured in the same run.
    forward. Goal on an H200 at the 8B shape: capture >= 0.90 of the bare forward.
 2. draft step: Strata's EAGLE-3 draft (``pipeline.draft.model``, torch only) trained in plain
    torch with the TTT unroll of ``--ttt`` steps, against one unrolled step (the TTT cost).
+3. packing: the draft trained (plain torch, ``--ttt`` steps) on an epoch's first ``--steps``
+   batches as training plans them (``pipeline.train.plan.plan_epoch``: length-bucketed, filled up
+   to the shape's training batch_tokens), its sequences packed end to end against padded to rows:
+   real tokens/s, alternated ``--repeats`` times. Two length distributions: the demo's
+   conversations as its tokenizer and chat template count them (cut at its max_length 512), and
+   chat-like lognormal lengths.
 
     python tests/benchmarks/bench_gpu.py --out $OUT/gpu.json                      # H200, 8B, bf16
     python tests/benchmarks/bench_gpu.py --shape tiny --device cpu --out gpu.json # CI smoke test
+    python tests/benchmarks/bench_gpu.py --shape demo --device cpu --dtype float32 --sections packing
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ import argparse
 import os
 import platform
 import queue
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +49,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 from bench_train import make_model, plain_step, sync, synthetic_batches  # noqa: E402
 
-from pipeline.draft.model import DraftConfig  # noqa: E402  (torch only)
+from pipeline.draft.model import (
+    DraftConfig,  # noqa: E402  (torch only)
+    TargetBatch,  # noqa: E402
+)
 from pipeline.engines.packing import pack_by_tokens, packed_forward  # noqa: E402  (torch and transformers only)
+from pipeline.train.plan import plan_epoch  # noqa: E402  (standard library only)
 
 SHAPES = {  # hidden, layers, intermediate, heads, kv heads, vocab, conversations, batch tokens
     "tiny": (64, 4, 128, 4, 2, 512, 24, 2048),
+    "demo": (128, 12, 336, 4, 2, 2048, 200, 8192),  # the demo's pretrained target
     "mid": (1024, 8, 2816, 16, 8, 32000, 200, 16384),
     "llama-8b": (4096, 32, 14336, 32, 8, 128256, 400, 65536),
 }
@@ -245,6 +259,108 @@ def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps
     }
 
 
+TRAIN_BATCH_TOKENS = {"tiny": 512, "demo": 2048, "mid": 8192, "llama-8b": 16384}  # demo: its training config's
+
+
+def demo_lengths(cap: int = 512) -> list[int]:
+    """The demo's conversations as its target's tokenizer and chat template count them (before
+    the demo regenerates the answers), cut at its max_length."""
+    from pipeline.data.stdlib import make_conversations
+    from pipeline.demo.tiny import train_tokenizer
+
+    tok = train_tokenizer()
+    texts = [tok.apply_chat_template(c["messages"], tokenize=False) for c in make_conversations()]
+    return [min(cap, len(tok(t, add_special_tokens=False)["input_ids"])) for t in texts]
+
+
+@dataclass
+class _Sample:
+    tokens: int
+
+
+def planned_batches(cfg: DraftConfig, lengths: list[int], batch_tokens: int, packed: bool, n: int, device, dtype):
+    """The first ``n`` batches an epoch plans for these lengths, filled with random values, in the layout."""
+    plan = plan_epoch([_Sample(x) for x in lengths], batch_tokens, 1, 0, 0, packed=packed)
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for (group,) in plan[:n]:
+        lens = [lengths[i] for i in group]
+        B, T = (1, sum(lens)) if packed else (len(lens), max(lens))
+        real = torch.zeros(B, T, dtype=torch.bool)
+        for j, length in enumerate(lens):
+            row, at = (0, sum(lens[:j])) if packed else (j, 0)
+            real[row, at : at + length] = True
+        tb = TargetBatch(
+            p_draft=torch.softmax(torch.randn(B, T, cfg.draft_vocab_size, generator=g) * 3, -1).to(device),
+            greedy=torch.randint(0, cfg.draft_vocab_size, (B, T), generator=g).to(device),
+            in_draft_vocab=torch.ones(B, T, dtype=torch.bool, device=device),
+            trained=real.to(device),
+        )
+        aux = torch.randn(B, T, cfg.num_aux * cfg.target_hidden_size, generator=g).to(device, dtype)
+        ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device)
+        out.append((aux, ids, tb, lens))
+    return out
+
+
+def bench_packing(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int, repeats: int) -> dict:
+    h, _, inter, heads, kv, vocab, *_ = SHAPES[shape]
+    cfg = DraftConfig(
+        hidden_size=h,
+        target_hidden_size=h,
+        num_aux=3,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=h // heads,
+        vocab_size=vocab,
+        draft_vocab_size=min(vocab, 32000),
+    )
+    batch_tokens = TRAIN_BATCH_TOKENS[shape]
+    model = make_model(cfg, device, dtype)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def step(aux, ids, tb, lens) -> None:
+        out = model(aux, ids, tb, steps=ttt, seq_lens=lens)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+
+    result: dict = {"batch_tokens": batch_tokens, "ttt": ttt, "steps": steps, "repeats": repeats}
+    dists = {"demo": demo_lengths(), "chat": conversation_lengths(400, cap=min(2048, 4 * batch_tokens))}
+    for name, lengths in dists.items():
+        layouts = {
+            layout: planned_batches(cfg, lengths, batch_tokens, layout == "packed", steps + 1, device, dtype)
+            for layout in ("padded", "packed")
+        }
+        rates: dict[str, list[float]] = {"padded": [], "packed": []}
+        for _ in range(repeats):
+            for layout, batches in layouts.items():
+                step(*batches[0])  # warm-up: allocator, kernels
+                sync(device)
+                t0 = time.perf_counter()
+                for b in batches[1:]:
+                    step(*b)
+                sync(device)
+                rates[layout].append(sum(sum(b[3]) for b in batches[1:]) / (time.perf_counter() - t0))
+        epoch = {
+            layout: plan_epoch([_Sample(x) for x in lengths], batch_tokens, 1, 0, 0, packed=layout == "packed")
+            for layout in ("padded", "packed")
+        }
+        padded_positions = sum(len(g) * max(lengths[i] for i in g) for (g,) in epoch["padded"])
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        result[name] = {
+            "samples": len(lengths),
+            "mean_length": sum(lengths) / len(lengths),
+            "padding_fraction_padded": 1 - sum(lengths) / padded_positions,
+            "steps_per_epoch": {k: len(v) for k, v in epoch.items()},
+            "sequences_per_batch": {k: len(lengths) / len(v) for k, v in epoch.items()},
+            "real_tokens_per_s": rates,
+            "packed_over_padded": med["packed"] / med["padded"],
+        }
+        print(f"packing [{name}]: packed/padded real tokens/s = {result[name]['packed_over_padded']:.2f}", flush=True)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = argparse.ArgumentParser()
     a.add_argument("--shape", choices=list(SHAPES), default="llama-8b")
@@ -254,8 +370,10 @@ def main(argv: list[str] | None = None) -> dict:
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--steps", type=int, default=10)
     a.add_argument("--ttt", type=int, default=7)
+    a.add_argument("--sections", default="extraction,draft_step,packing", help="comma-separated")
     a.add_argument("--out")
     args = a.parse_args(argv)
+    sections = set(args.sections.split(","))
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     result = {
         "benchmark": "gpu",
@@ -266,9 +384,14 @@ def main(argv: list[str] | None = None) -> dict:
         "dtype": args.dtype,
         "load_avg": os.getloadavg(),
     }
-    result["extraction"] = bench_extraction(args.shape, device, dtype, args.writers, args.repeats)
-    result["draft_step"] = bench_draft_step(args.shape, device, dtype, args.steps, args.ttt)
-    save_result(result, f"gpu_{args.shape}_{device.type}.json", args.out)
+    if "extraction" in sections:
+        result["extraction"] = bench_extraction(args.shape, device, dtype, args.writers, args.repeats)
+    if "draft_step" in sections:
+        result["draft_step"] = bench_draft_step(args.shape, device, dtype, args.steps, args.ttt)
+    if "packing" in sections:
+        result["packing"] = bench_packing(args.shape, device, dtype, args.steps, args.ttt, args.repeats)
+    suffix = "" if sections >= {"extraction", "draft_step", "packing"} else "_" + "_".join(sorted(sections))
+    save_result(result, f"gpu_{args.shape}_{device.type}{suffix}.json", args.out)
     return result
 
 

@@ -128,7 +128,10 @@ class InProcess:
         aux, final = [CapturePoint.parse(p) for p in self.plan.aux], CapturePoint.parse(self.plan.final)
         self.batches = []
         for epoch_plan in plans:
-            for _, b in BatchStream(self.cfg.dataset, None, refs, epoch_plan, 0, 0, aux, final, use_ray=False):
+            stream = BatchStream(
+                self.cfg.dataset, None, refs, epoch_plan, 0, 0, aux, final, use_ray=False, packed=self.cfg.packing
+            )
+            for _, b in stream:
                 self.batches.append(b)
                 if len(self.batches) == self.total:
                     break
@@ -155,7 +158,14 @@ class InProcess:
 
         def step(b) -> None:
             target = target_head.targets(b.final, b.loss_mask, draft_ids, soft_target=cfg.soft_target)
-            out = model(b.aux.to(torch.float32), b.input_ids, target, steps=cfg.ttt_steps, decay=cfg.loss_decay)
+            out = model(
+                b.aux.to(torch.float32),
+                b.input_ids,
+                target,
+                steps=cfg.ttt_steps,
+                decay=cfg.loss_decay,
+                seq_lens=b.seq_lens.tolist(),
+            )
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
