@@ -113,9 +113,12 @@ def test_zero2_on_two_workers_trains_and_loss_falls(trained):
     ]
     # Where the job's time went: disjoint stages inside the total, the same record on disk.
     sec = result["seconds"]
+    assert json.loads((out / "timing.json").read_text()) == sec
+    parts = sec.pop("fit_parts")  # rank 0's own split of fit
     assert list(sec) == ["ray_start", "prepare", "fit", "heldout_acceptance", "export", "total"]
     assert all(v >= 0 for v in sec.values()) and sum(sec.values()) - sec["total"] <= sec["total"] and sec["fit"] > 0
-    assert json.loads((out / "timing.json").read_text()) == sec
+    assert list(parts) == ["setup", "checkpoints", "steps", "eval"] and all(v >= 0 for v in parts.values())
+    assert sum(parts.values()) <= sec["fit"] and parts["steps"] > 0
 
 
 @pytest.mark.ray

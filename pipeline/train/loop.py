@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from pipeline.stopwatch import Stopwatch
 from pipeline.store.fs import atomic_write_bytes, join, resolve
 from pipeline.train.checkpoint import (
     CheckpointManager,
@@ -61,6 +62,8 @@ def train_refs(plan: RunPlan) -> list[SampleRef] | list[StreamSample]:
 def train_worker(plan_json: str, rank: int, world: int, report=None, stream_source=None) -> dict:
     """Train on this worker's share of the plan. ``report(metrics)`` forwards to Ray Train;
     ``stream_source``: a streaming run's :class:`~pipeline.train.stream.StreamSource`."""
+    clock = Stopwatch()  # where the worker's time went, in final_metrics.json and the job's timing.json
+    clock.start("setup")  # imports, DeepSpeed, the draft, the target head, a checkpoint to resume from
     deepspeed = import_deepspeed()
     plan = RunPlan(**json.loads(plan_json))
     cfg = TrainConfig.model_validate(plan.cfg)
@@ -105,6 +108,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
         e = bisect.bisect_right(epoch_start, g) - 1
         return plans[e][g - epoch_start[e]][rank]
 
+    clock.stop("setup")
+    clock.start("steps")
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0)
     last: dict = {}
     while step < total:
@@ -146,14 +151,20 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
                     report(last)
             if ckpt.due(step, total):
                 progress.step, progress.epoch = step, epoch
-                ckpt.save(step)
+                with clock("checkpoints"):
+                    ckpt.save(step)
                 if rank == 0:
                     history.flush()
             if step >= total:  # max_steps; otherwise the epoch's stream runs out on its own, so Ray
                 break  # Data's executor finishes before the next epoch's starts
         window.wait_at_start -= stream.wait_s  # the next epoch's stream counts its waits from zero
     bar.close()
-    final_metrics = {"train": last, "eval": trainer.evaluate(rank, world), "steps": step}
+    clock.stop("steps")
+    with clock("eval"):
+        evaluated = trainer.evaluate(rank, world)
+    seconds = clock.totals()
+    seconds["steps"] -= seconds.get("checkpoints", 0.0)
+    final_metrics = {"train": last, "eval": evaluated, "steps": step, "seconds": seconds}
     if rank == 0:
         fs, root = resolve(cfg.output, cfg.s3)
         atomic_write_bytes(fs, join(root, FINAL_METRICS), json.dumps(final_metrics, indent=1).encode())
