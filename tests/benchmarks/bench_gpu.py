@@ -220,9 +220,10 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
     }
 
 
-def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int) -> dict:
+def draft_config(shape: str) -> DraftConfig:
+    """The EAGLE-3 draft of a target of this shape: one of its decoder layers, three aux slots."""
     h, _, inter, heads, kv, vocab, *_ = SHAPES[shape]
-    cfg = DraftConfig(
+    return DraftConfig(
         hidden_size=h,
         target_hidden_size=h,
         num_aux=3,
@@ -233,6 +234,10 @@ def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps
         vocab_size=vocab,
         draft_vocab_size=min(vocab, 32000),
     )
+
+
+def bench_draft_step(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int) -> dict:
+    cfg = draft_config(shape)
     seq = 2048 if shape == "llama-8b" else 256
     batches = synthetic_batches(cfg, 2, seq, device, dtype)
     model = make_model(cfg, device, dtype)
@@ -303,18 +308,7 @@ def planned_batches(cfg: DraftConfig, lengths: list[int], batch_tokens: int, pac
 
 
 def bench_packing(shape: str, device: torch.device, dtype: torch.dtype, steps: int, ttt: int, repeats: int) -> dict:
-    h, _, inter, heads, kv, vocab, *_ = SHAPES[shape]
-    cfg = DraftConfig(
-        hidden_size=h,
-        target_hidden_size=h,
-        num_aux=3,
-        intermediate_size=inter,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        head_dim=h // heads,
-        vocab_size=vocab,
-        draft_vocab_size=min(vocab, 32000),
-    )
+    cfg = draft_config(shape)
     batch_tokens = TRAIN_BATCH_TOKENS[shape]
     model = make_model(cfg, device, dtype)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
