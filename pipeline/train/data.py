@@ -55,7 +55,9 @@ class Batch:
         return int(self.seq_lens.sum())
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(getattr(self, k).to(device) for k in self.FIELDS))
+        """The tensors on ``device``; ``seq_lens`` stays on the host, where the layout is planned
+        (reading it back from a GPU would sync every step)."""
+        return Batch(*(getattr(self, k).to(device) for k in self.FIELDS[:-1]), self.seq_lens)
 
 
 class BatchArrays:

@@ -251,16 +251,16 @@ def run_train(cfg: TrainConfig, use_ray: bool = True, progress: bool = True) -> 
             streamed.close(graceful=False)
     with clock("export"):
         manifests = export_run(cfg.output, cfg.s3)
-    seconds: dict = clock.totals()
+    stages = clock.totals()
     parts = {k: v for k, v in (result.get("seconds") or {}).items() if k != "total"}  # how rank 0 spent fit
+    seconds = {**stages, "fit_parts": parts}
     fs, root = resolve(cfg.output, cfg.s3)
-    atomic_write_bytes(fs, join(root, TIMING_FILE), json.dumps({**seconds, "fit_parts": parts}, indent=1).encode())
+    atomic_write_bytes(fs, join(root, TIMING_FILE), json.dumps(seconds, indent=1).encode())
     log.info(
         "where the time went: %s (fit: %s)",
-        ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items()),
+        ", ".join(f"{k} {v:.1f}s" for k, v in stages.items()),
         ", ".join(f"{k} {v:.1f}s" for k, v in parts.items()),
     )
-    seconds["fit_parts"] = parts
     return {"metrics": result, "exports": manifests, "seconds": seconds}
 
 
