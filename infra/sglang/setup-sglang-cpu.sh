@@ -17,10 +17,16 @@ PY=${PYTHON:-python3}
 SGLANG_VERSION=0.5.18
 TARBALL="$VENDOR/sgl-kernel-cpu-src-2f14d6c.tar.gz"
 SHA256=f3803f2d346a7fcf2146e1d95a72005fb3f7dc783fd6c93a8b5530a6c9765f7a
-# The kernel's x86 build is AVX-512 code (SIGILL on import elsewhere); on a CPU without AVX-512
-# (e.g. AMD Zen 3) build the variant kernel-no-avx512/ describes; its patch is part of the cache key.
-if grep -qw avx512bf16 /proc/cpuinfo && grep -qw avx512_vnni /proc/cpuinfo; then
-  VARIANT=avx512
+# The kernel's x86 build is AVX-512 code (-march=x86-64-v4 -mavx512bf16 -mavx512vnni: SIGILL on
+# import elsewhere); on a CPU without those (e.g. AMD Zen 3) build the variant kernel-no-avx512/
+# describes; its patch is part of the cache key. The full build is also what SGLang needs on a CPU
+# with AMX: there it routes MoE through the kernel's fused-MoE ops, which the variant leaves out.
+# (/proc/cpuinfo spells the flags avx512_bf16, avx512_vnni.)
+has_flags() { local f; for f in "$@"; do grep -qw "$f" /proc/cpuinfo || return 1; done; }
+# The full build also takes kernel-moe-activation/ (the fused-MoE op's argument SGLang 0.5.18
+# passes on AMX); the variant leaves that op out, so needs no such patch.
+if has_flags avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 avx512_vnni; then
+  VARIANT=avx512-$(cat "$HERE"/kernel-moe-activation/* | sha256sum | cut -c1-12)
 else
   VARIANT=avx2-$(cat "$HERE"/kernel-no-avx512/* | sha256sum | cut -c1-12)
 fi
@@ -53,9 +59,10 @@ if ! ls "$CACHE"/sglang_kernel_cpu-*.whl >/dev/null 2>&1; then
   trap 'rm -rf "$work"' EXIT
   tar xzf "$TARBALL" -C "$work"
   cp "$work/sgl-kernel/pyproject_cpu.toml" "$work/sgl-kernel/pyproject.toml"
-  if [ "$VARIANT" != avx512 ]; then
-    "$VENV/bin/python" "$HERE/kernel-no-avx512/patch_kernel.py" "$work/sgl-kernel"
-  fi
+  case "$VARIANT" in
+    avx512-*) "$VENV/bin/python" "$HERE/kernel-moe-activation/patch_kernel.py" "$work/sgl-kernel" ;;
+    *) "$VENV/bin/python" "$HERE/kernel-no-avx512/patch_kernel.py" "$work/sgl-kernel" ;;
+  esac
   # No build isolation: the kernel must compile against this venv's torch 2.13.0, not the
   # torch its build requirements pin.
   (cd "$work/sgl-kernel" && "$VENV/bin/python" -m pip wheel -q --no-build-isolation --no-deps -w "$work/dist" .)

@@ -70,9 +70,11 @@ def _llama_config(tok, num_layers: int, hidden_size: int, num_heads: int | None,
 
 def _deepseek_v3_config(tok, num_layers: int, hidden_size: int, num_heads: int | None):
     """The incident's family in miniature: MLA attention, a dense first layer and MoE after it
-    (4 routed experts, top 2, one shared), yarn rope. Head sizes are multiples of 32 and the rope
-    is yarn because SGLang's CPU kernels accept only those ("Only deepseek_yarn is supported
-    for CPU"). ``moe_layer_freq``, ``topk_method``, ``scoring_func`` and ``ep_size`` are in every
+    (128 routed experts in 8 groups, top 8 from the best 4 groups, one shared), yarn rope. Head
+    sizes are multiples of 32, the rope is yarn and the routing is top 8 of 128 because SGLang's
+    CPU kernels accept only those ("Only deepseek_yarn is supported for CPU"; on a CPU with AMX
+    its grouped-top-k kernel takes top 8 of 128, 192, 256 or 384 experts, else "Unexpected
+    topk"). ``moe_layer_freq``, ``topk_method``, ``scoring_func`` and ``ep_size`` are in every
     DeepSeek-V3 config.json with these values (sigmoid scores with a correction bias, which is
     what transformers' DeepseekV3 computes) and SGLang's ``deepseek_v2.py`` reads them;
     transformers' DeepseekV3Config has no defaults for them."""
@@ -87,10 +89,10 @@ def _deepseek_v3_config(tok, num_layers: int, hidden_size: int, num_heads: int |
         num_attention_heads=num_heads or max(1, min(4, hidden_size // 64)),
         num_key_value_heads=None,
         n_shared_experts=1,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=1,
-        topk_group=1,
+        n_routed_experts=128,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
         first_k_dense_replace=1,
         moe_layer_freq=1,
         topk_method="noaux_tc",
