@@ -54,7 +54,7 @@ def train_raw(tiny_target, out: Path, **kw) -> dict:
         "draft_vocab_size": 4096,
         "ttt_steps": 2,
         "batch_tokens": BATCH_TOKENS,
-        "epochs": 2,
+        "epochs": 3,  # over ten times IN_FLIGHT steps stream through the bound (packed batches are few)
         "metrics_every": 4,
         "checkpoint": {"every": 4, "keep": 10},
         "eval_fraction": 0.1,
@@ -139,8 +139,15 @@ def streamed_run(ray_connected, tiny_target, source, tmp_path_factory):
         train_raw(tiny_target, out, data={"stream": str(source / "extract.yaml"), "in_flight": IN_FLIGHT})
     )
     ckpt = out / "checkpoints"
-    capture_killer = Killer("StreamCaptureActor", lambda: (ckpt / "step-000004").exists())
-    trainer_killer = Killer("_WorkerProcess", lambda: bool(capture_killer.killed) and (ckpt / "step-000008").exists())
+
+    def committed(step: int) -> bool:  # a checkpoint counts once latest.json names it, not when its folder appears
+        try:
+            return json.loads((ckpt / "latest.json").read_text())["step"] >= step
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+
+    capture_killer = Killer("StreamCaptureActor", lambda: committed(4))
+    trainer_killer = Killer("_WorkerProcess", lambda: bool(capture_killer.killed) and committed(8))
     sampler = StoreSampler(ray_connected["address"])
     baseline = _store_bytes(ray_connected["address"])
     for t in (capture_killer, trainer_killer, sampler):
