@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from pipeline.extract.job import run_extract
 from pipeline.fingerprint import Fingerprints
 from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_samples
+from pipeline.train.checkpoint import latest
 from pipeline.train.data import split_eval
 from pipeline.train.job import prepare, run_train
 from pipeline.validate.job import run_validate
@@ -138,13 +139,10 @@ def streamed_run(ray_connected, tiny_target, source, tmp_path_factory):
     cfg = TrainConfig.model_validate(
         train_raw(tiny_target, out, data={"stream": str(source / "extract.yaml"), "in_flight": IN_FLIGHT})
     )
-    ckpt = out / "checkpoints"
 
-    def committed(step: int) -> bool:  # a checkpoint counts once latest.json names it, not when its folder appears
-        try:
-            return json.loads((ckpt / "latest.json").read_text())["step"] >= step
-        except (FileNotFoundError, json.JSONDecodeError):
-            return False
+    def committed(step: int) -> bool:  # a checkpoint counts once committed, not when its folder appears
+        name = latest(str(out), None)
+        return name is not None and int(name[-6:]) >= step
 
     capture_killer = Killer("StreamCaptureActor", lambda: committed(4))
     trainer_killer = Killer("_WorkerProcess", lambda: bool(capture_killer.killed) and committed(8))

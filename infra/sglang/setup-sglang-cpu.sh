@@ -19,12 +19,11 @@ TARBALL="$VENDOR/sgl-kernel-cpu-src-2f14d6c.tar.gz"
 SHA256=f3803f2d346a7fcf2146e1d95a72005fb3f7dc783fd6c93a8b5530a6c9765f7a
 # The kernel's x86 build is AVX-512 code (-march=x86-64-v4 -mavx512bf16 -mavx512vnni: SIGILL on
 # import elsewhere); on a CPU without those (e.g. AMD Zen 3) build the variant kernel-no-avx512/
-# describes; its patch is part of the cache key. The full build is also what SGLang needs on a CPU
-# with AMX: there it routes MoE through the kernel's fused-MoE ops, which the variant leaves out.
+# describes. The full build is also what SGLang needs on a CPU with AMX: there it routes MoE
+# through the kernel's fused-MoE ops, which the variant leaves out; it takes kernel-moe-activation/
+# (the argument SGLang 0.5.18 passes those ops). Each variant's patch is part of its cache key.
 # (/proc/cpuinfo spells the flags avx512_bf16, avx512_vnni.)
 has_flags() { local f; for f in "$@"; do grep -qw "$f" /proc/cpuinfo || return 1; done; }
-# The full build also takes kernel-moe-activation/ (the fused-MoE op's argument SGLang 0.5.18
-# passes on AMX); the variant leaves that op out, so needs no such patch.
 if has_flags avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 avx512_vnni; then
   VARIANT=avx512-$(cat "$HERE"/kernel-moe-activation/* | sha256sum | cut -c1-12)
 else
