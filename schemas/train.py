@@ -76,6 +76,12 @@ class StreamConfig(Strict):
         description="batches per training worker captured ahead and held in Ray's object store: the memory "
         "bound, however large the source",
     )
+    cache: str | None = Field(
+        None,
+        description="URI (local or s3://) that keeps the first epoch's captured batches as Parquet shards (one "
+        "per step and worker, the dataset's columns and provenance): later epochs, and a rerun of the same stream, "
+        "read them instead of capturing again. Unset: every epoch captures again (deterministically)",
+    )
 
 
 class TrainConfig(Strict):

@@ -308,3 +308,54 @@ def test_two_ray_train_workers_stream_their_shares_as_offline(
     b = load_file(tmp_path / "streamed/checkpoints/step-000006/model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.ray
+def test_a_cached_stream_captures_its_first_epoch_once_and_trains_the_offline_draft(
+    ray_connected, tiny_target, source, offline_run, tmp_path
+):
+    """``data.cache``: the first epoch's batches are captured and kept, one shard per step; later
+    epochs read them -- the offline draft, bit for bit. A rerun of the same stream captures nothing;
+    a run with another plan is refused the cache before it trains."""
+    import pyarrow.parquet as pq
+
+    cache = tmp_path / "cache"
+    data = {"stream": str(source / "extract.yaml"), "in_flight": IN_FLIGHT, "cache": str(cache)}
+    first = run_train(TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "a", data=data)), progress=False)
+    offline = json.loads((offline_run / "final_metrics.json").read_text())
+    steps = first["metrics"]["steps"]
+    assert steps == offline["steps"]
+    name = f"step-{steps:06d}"
+    a = load_file(offline_run / "checkpoints" / name / "model.safetensors")
+    b = load_file(tmp_path / "a" / "checkpoints" / name / "model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert first["metrics"]["eval"] == offline["eval"]
+
+    fed = first["metrics"]["stream_batches"]
+    epoch0 = fed["captured"]
+    assert 0 < epoch0 < steps and fed["from_cache"] == steps - epoch0  # later epochs captured nothing
+    shards = sorted(cache.rglob("*.parquet"))
+    assert [p.relative_to(cache).as_posix() for p in shards] == [
+        f"epoch-0/step-{s:07d}-rank-000.parquet" for s in range(epoch0)
+    ]
+    kept = [sid for p in shards for sid in pq.read_table(p, columns=["sample_id"])["sample_id"].to_pylist()]
+    run = json.loads((tmp_path / "a" / "run.json").read_text())["extra"]["stream"]
+    assert len(kept) == len(set(kept)) == run["rows"]["streamed"]  # every training sample once
+    assert run["cache"] == str(cache)
+    held = DatasetReader(str(tmp_path / "a" / "data"))
+    assert [p.relative_to(tmp_path / "a").parts[0] for p in (tmp_path / "a").rglob("*.parquet")] == ["data"] * len(
+        held.shards
+    )  # the run itself still stores only its held-out samples
+    as_dataset = DatasetReader(str(cache), manifest=held.manifest)  # the held-out data's columns decode them
+    for p in shards[:2]:
+        as_dataset.check_file_provenance(p.relative_to(cache).as_posix())  # ... and their provenance is its
+
+    quick = dict(max_steps=epoch0 + 2, heldout_acceptance={"prompts": 0}, export={"engines": ["vllm"]})
+    second = run_train(
+        TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "b", data=data, **quick)), progress=False
+    )
+    assert second["metrics"]["stream_batches"] == {"captured": 0, "from_cache": epoch0 + 2}
+    with pytest.raises(ConfigError, match=r"data.cache .*cache holds the batches of another stream"):
+        run_train(TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "c", data=data, seed=7, **quick)))
+    assert not list((tmp_path / "c").glob("checkpoints/*"))

@@ -115,6 +115,12 @@ class DatasetReader:
         self._check_shard_provenance(shard.path, provenances_from_schema(pf.schema_arrow))
         return pf.read(columns=columns)
 
+    def check_file_provenance(self, path: str) -> None:
+        """A Parquet file under the dataset's root (not listed in its manifest: a stream's cached
+        batches) carries exactly the manifest's columns and provenance."""
+        with self.fs.open_input_file(join(self.root, path)) as f:
+            self._check_shard_provenance(path, provenances_from_schema(pq.ParquetFile(f).schema_arrow))
+
     def _check_shard_provenance(self, path: str, provs: list[TensorProvenance]) -> None:
         """Every shard must carry exactly the manifest's columns: no mixed capture points."""
         for prov in provs:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.cluster import stall_guard
-from pipeline.store.reader import DatasetReader, SampleRef
+from pipeline.store.reader import DatasetReader, SampleRef, ShardCorrupt
 from schemas.capture import CapturePoint
 
 
@@ -97,6 +97,11 @@ def load_batch(
         table = reader.read_row_group(shard, rg)
         for j in js:
             i = refs[j].row
+            if (got := table["sample_id"][i].as_py()) != refs[j].sample_id:
+                raise ShardCorrupt(
+                    f"{reader.uri}: row {i} of row group {rg} in {shard} is sample {got}, the plan expects "
+                    f"{refs[j].sample_id}: the file is not the one the plan indexed"
+                )
             out.put(
                 j,
                 table["input_ids"][i].values.to_numpy(),

@@ -35,7 +35,7 @@ from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_sampl
 from pipeline.train import checkpoint, heldout, stream
 from pipeline.train.data import split_eval
 from pipeline.train.export import RUN_FILE, export_family, export_run
-from pipeline.train.loop import FINAL_METRICS, train_worker
+from pipeline.train.loop import FINAL_METRICS, epoch_plans, train_worker
 from pipeline.train.plan import RunPlan
 from pipeline.train.trainer import import_deepspeed
 from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
@@ -231,7 +231,7 @@ def run_train(cfg: TrainConfig, use_ray: bool = True, progress: bool = True) -> 
         plan.use_ray_data = use_ray and cfg.data_loading == "ray_data"
         plan_json = json.dumps(dataclasses.asdict(plan))
         if streamed is not None:
-            stream_source = stream.source_of(streamed, plan.aux, plan.final, cfg.data.in_flight, cfg.packing)  # type: ignore[union-attr]
+            stream_source = stream.source_of(streamed, plan, cfg, epoch_plans(plan, cfg, cfg.num_workers)[0][0])
         with clock("fit"):  # workers start, DeepSpeed init, the steps, checkpoints, eval
             if not use_ray:
                 result = _fit_in_process(plan_json)

@@ -112,11 +112,12 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
     clock.start("steps")
     bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=rank != 0)
     last: dict = {}
+    fed = {"captured": 0, "from_cache": 0}  # a streaming run's batches by where they came from (this rank)
     while step < total:
         epoch = bisect.bisect_right(epoch_start, step) - 1
         if stream_source is not None:
             stream = FeedStream(
-                stream_source, rank, step, min(epoch_start[epoch + 1], total), plan_step, cfg.stall_timeout_s
+                stream_source, rank, step, min(epoch_start[epoch + 1], total), plan_step, cfg.stall_timeout_s, plans[0]
             )
         else:
             stream = BatchStream(
@@ -158,6 +159,9 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
             if step >= total:  # max_steps; otherwise the epoch's stream runs out on its own, so Ray
                 break  # Data's executor finishes before the next epoch's starts
         window.wait_at_start -= stream.wait_s  # the next epoch's stream counts its waits from zero
+        if isinstance(stream, FeedStream):
+            fed["captured"] += stream.captured
+            fed["from_cache"] += stream.from_cache
     bar.close()
     clock.stop("steps")
     with clock("eval"):
@@ -165,6 +169,8 @@ def train_worker(plan_json: str, rank: int, world: int, report=None, stream_sour
     seconds = clock.totals()
     seconds["steps"] -= seconds.get("checkpoints", 0.0)
     final_metrics = {"train": last, "eval": evaluated, "steps": step, "seconds": seconds}
+    if stream_source is not None:
+        final_metrics["stream_batches"] = fed
     if rank == 0:
         fs, root = resolve(cfg.output, cfg.s3)
         atomic_write_bytes(fs, join(root, FINAL_METRICS), json.dumps(final_metrics, indent=1).encode())

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
@@ -36,6 +37,7 @@ from pipeline.identity import target_identity
 from pipeline.store.encoding import bits_to_torch, join_planes
 from pipeline.store.reader import ProvenanceMismatch
 from pipeline.store.writer import SampleMeta
+from pipeline.train import stream_cache
 from pipeline.train.data import Batch, BatchArrays, split_eval, to_batch
 from schemas.config import ConfigError, validate_config
 from schemas.extract import ExtractConfig
@@ -91,14 +93,17 @@ class StreamCaptureActor(CaptureActor):
         aux: list[str],
         final: str,
         packed: bool,
+        keep: dict | None = None,
     ) -> dict:
         """The batch ``train.data.load_batch`` decodes from Parquet, for these samples: values
-        rounded to the stored dtype, laid out the same."""
+        rounded to the stored dtype, laid out the same. ``keep`` (a first-epoch batch of a run with
+        ``data.cache``): the cache, the shard to write and the samples' source records."""
         worker = self.worker
         engine = worker.writer().engine
         dtype = worker.cfg.engine.dtype
         lengths = [len(x) for x in ids]
         out = BatchArrays(lengths, packed)
+        kept: list = [None] * len(ids)
         for group in engine.plan_batches(lengths):
             cb = engine.capture([ids[i].tolist() for i in group])
             spans = pairwise(accumulate(cb.lengths, initial=0))  # each sample's tokens in the packed row
@@ -108,6 +113,14 @@ class StreamCaptureActor(CaptureActor):
                     for p in [*aux, final]
                 }
                 out.put(i, ids[i], masks[i], np.concatenate([vals[p] for p in aux], axis=-1), vals[final])
+                if keep is not None:
+                    kept[i] = {p: v[:, lo:hi] for p, v in cb.planes.items()}
+        if keep is not None:
+            metas = [
+                SampleMeta(sid, keep["source_uri"], row, sha, x.tolist(), m.astype(np.uint8).tolist())
+                for sid, row, sha, x, m in zip(sample_ids, keep["source_rows"], keep["sha256"], ids, masks, strict=True)
+            ]
+            stream_cache.write_shard(keep["spec"], keep["path"], worker.schema, list(zip(metas, kept, strict=True)))
         return {**out.d, "sample_ids": list(sample_ids)}
 
 
@@ -141,6 +154,7 @@ class Streamed:
             "dataset_id": self.manifest.dataset_id,
             "rows": {"input": t.input_rows, "streamed": t.streamed, "stored": t.rows, "quarantined": t.quarantined},
             "streamed_tokens": t.streamed_tokens,
+            "cache": cfg.data.cache,  # type: ignore[union-attr]
         }
 
     def close(self, graceful: bool = True) -> None:
@@ -197,14 +211,19 @@ class StreamSource:
     sample's tokens in the object store (one copy per node, read in place by the workers)."""
 
     actors: list
-    tokens: object  # ObjectRef of {"ids": int32[sum T], "mask": bool[sum T], "offsets": int64[N + 1], "sample_ids"}
+    tokens: (
+        object  # ObjectRef of {"ids": int32[sum T], "mask": bool[sum T], "offsets": int64[N + 1], "sample_ids", ...}
+    )
     aux: list[str]
     final: str
     in_flight: int
     packed: bool
+    cache: stream_cache.CacheSpec | None = None
 
 
-def source_of(streamed: Streamed, aux: list[str], final: str, in_flight: int, packed: bool) -> StreamSource:
+def source_of(streamed: Streamed, plan, cfg: TrainConfig, epoch0: list[list[list[int]]]) -> StreamSource:
+    """The workers' stream; with ``data.cache``, the cache checked (or marked) as this stream's
+    for the first epoch's batches ``epoch0`` (steps x workers x sample indices)."""
     import ray
 
     lengths = [len(s.input_ids) for s in streamed.train]
@@ -213,69 +232,122 @@ def source_of(streamed: Streamed, aux: list[str], final: str, in_flight: int, pa
         "mask": np.concatenate([np.asarray(s.loss_mask, np.bool_) for s in streamed.train]),
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
         "sample_ids": [s.sample_id for s in streamed.train],
+        "source_uri": streamed.xcfg.source.uri,  # what a cached shard records of each sample
+        "source_rows": [s.source_row for s in streamed.train],
+        "sha256": [s.content_sha256 for s in streamed.train],
     }
-    return StreamSource(streamed.pool.actors, ray.put(tokens), aux, final, in_flight, packed)
+    assert cfg.data is not None
+    cache = None
+    if cfg.data.cache:
+        ids = tokens["sample_ids"]
+        cache = stream_cache.claim(
+            cfg.data.cache, cfg.s3, streamed.manifest, [[[ids[i] for i in idx] for idx in step] for step in epoch0]
+        )
+    return StreamSource(
+        streamed.pool.actors, ray.put(tokens), plan.aux, plan.final, cfg.data.in_flight, cfg.packing, cache
+    )
 
 
 class FeedStream:
-    """A training worker's batches for global steps ``[start, end)``: it keeps the captures of its
-    next ``source.in_flight`` steps queued on the capture actors -- never more, the bound that
-    keeps memory flat however large the source -- and takes them in plan order. The worker owns
-    what it asks for, so a batch leaves the object store as soon as it is copied out (Ray frees a
-    borrowed object only about a second after its last reader lets go: dozens of batches at the
-    tiny sizes CI trains). Each batch is checked to hold exactly the samples the plan gives its step."""
+    """A training worker's batches for global steps ``[start, end)``: it keeps its next
+    ``source.in_flight`` steps queued -- on the capture actors, or read from the cache when a run
+    keeps one -- never more, the bound that keeps memory flat however large the source, and takes
+    them in plan order. The worker owns what it asks for, so a batch leaves the object store as
+    soon as it is copied out (Ray frees a borrowed object only about a second after its last reader
+    lets go: dozens of batches at the tiny sizes CI trains). Each batch is checked to hold exactly
+    the samples the plan gives its step."""
 
-    def __init__(self, source: StreamSource, rank: int, start: int, end: int, plan_step, stall_timeout_s: float | None):
+    def __init__(
+        self,
+        source: StreamSource,
+        rank: int,
+        start: int,
+        end: int,
+        plan_step,
+        stall_timeout_s: float | None,
+        epoch0: list[list[list[int]]] | None = None,
+    ):
         self.source, self.rank, self.start, self.end = source, rank, start, end
         self.plan_step, self.timeout = plan_step, stall_timeout_s or None
+        self.cache = None
+        if source.cache is not None:
+            assert epoch0 is not None, "a cached stream needs the first epoch's plan (where each sample is kept)"
+            self.cache = stream_cache.CacheReader(source.cache, epoch0, [*source.aux, source.final])
         self.wait_s = 0.0
+        self.captured = self.from_cache = 0  # batches of each kind taken
 
-    def _submit(self, tokens: dict, step: int):
+    def _submit(self, tokens: dict, step: int, reads: ThreadPoolExecutor) -> tuple[str, object]:
         idx = self.plan_step(step)
         off = tokens["offsets"]
+        sample_ids = [tokens["sample_ids"][i] for i in idx]
+        if self.cache is not None and self.cache.has(idx):
+            lengths = [int(off[i + 1] - off[i]) for i in idx]
+            src = self.source
+            return "cache", reads.submit(self.cache.read, idx, lengths, sample_ids, src.aux, src.final, src.packed)
+        keep = None
+        if self.cache is not None and step < self.source.cache.steps:  # type: ignore[union-attr]
+            keep = {
+                "spec": self.source.cache,
+                "path": stream_cache.shard_path(step, self.rank),
+                "source_uri": tokens["source_uri"],
+                "source_rows": [tokens["source_rows"][i] for i in idx],
+                "sha256": [tokens["sha256"][i] for i in idx],
+            }
         actors = self.source.actors
         actor = actors[(step + self.rank) % len(actors)]  # consecutive steps, and ranks at one step, differ
-        return actor.capture_batch.remote(
+        ref = actor.capture_batch.remote(
             [tokens["ids"][off[i] : off[i + 1]] for i in idx],
             [tokens["mask"][off[i] : off[i + 1]] for i in idx],
-            [tokens["sample_ids"][i] for i in idx],
+            sample_ids,
             self.source.aux,
             self.source.final,
             self.source.packed,
+            keep,
         )
+        return "capture", ref
+
+    def _take(self, step: int, kind: str, pending) -> dict:
+        import ray
+
+        if kind == "cache":
+            self.from_cache += 1
+            return pending.result()
+        try:
+            d = ray.get(pending, timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            raise stalled(
+                f"train: rank {self.rank}'s streamed batch for step {step}",
+                self.timeout,
+                "the capture actors may have lost their CPUs/GPUs; free them or raise stall_timeout_s, then "
+                "rerun with resume: latest",
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(
+                f"a capture actor streaming step {step} is gone ({str(e).splitlines()[0]}; Ray restarts one "
+                "that dies a few times); rerun with resume: latest to continue from the last checkpoint"
+            ) from None
+        self.captured += 1
+        return d
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         import ray
 
         tokens = ray.get(self.source.tokens)
-        queued: dict[int, object] = {}
-        for step in range(self.start, self.end):
-            t0 = time.perf_counter()
-            for s in range(step, min(step + self.source.in_flight, self.end)):
-                if s not in queued:
-                    queued[s] = self._submit(tokens, s)
-            ref = queued.pop(step)
-            try:
-                d = ray.get(ref, timeout=self.timeout)
-            except ray.exceptions.GetTimeoutError:
-                raise stalled(
-                    f"train: rank {self.rank}'s streamed batch for step {step}",
-                    self.timeout,
-                    "the capture actors may have lost their CPUs/GPUs; free them or raise stall_timeout_s, then "
-                    "rerun with resume: latest",
-                ) from None
-            except ray.exceptions.RayActorError as e:
-                raise RuntimeError(
-                    f"a capture actor streaming step {step} is gone ({str(e).splitlines()[0]}; Ray restarts one "
-                    "that dies a few times); rerun with resume: latest to continue from the last checkpoint"
-                ) from None
-            want = [tokens["sample_ids"][i] for i in self.plan_step(step)]
-            if d["sample_ids"] != want:
-                raise RuntimeError(
-                    f"streamed batch for step {step} on rank {self.rank} holds samples {d['sample_ids'][:3]}..., "
-                    f"the plan gives {want[:3]}...: refusing to train a sample twice or skip one"
-                )
-            batch = to_batch({k: np.array(d[k]) for k in Batch.FIELDS})
-            del d, ref  # out of the object store now
-            self.wait_s += time.perf_counter() - t0
-            yield step, batch
+        queued: dict[int, tuple[str, object]] = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="stream-cache") as reads:
+            for step in range(self.start, self.end):
+                t0 = time.perf_counter()
+                for s in range(step, min(step + self.source.in_flight, self.end)):
+                    if s not in queued:
+                        queued[s] = self._submit(tokens, s, reads)
+                d = self._take(step, *queued.pop(step))
+                want = [tokens["sample_ids"][i] for i in self.plan_step(step)]
+                if d["sample_ids"] != want:
+                    raise RuntimeError(
+                        f"streamed batch for step {step} on rank {self.rank} holds samples {d['sample_ids'][:3]}..., "
+                        f"the plan gives {want[:3]}...: refusing to train a sample twice or skip one"
+                    )
+                batch = to_batch({k: np.array(d[k]) for k in Batch.FIELDS})
+                del d  # out of the object store now
+                self.wait_s += time.perf_counter() - t0
+                yield step, batch

@@ -4,13 +4,15 @@ A. offline: ``strata extract`` (one capture actor holding every CPU), then ``str
    that dataset (one worker holding every CPU): two jobs, one after the other.
 B. streaming: ``strata train`` with ``data: {stream: extract.yaml}`` -- one capture actor and one
    worker at once, the CPUs split between them; each epoch captures its batches again.
+C. streaming_cached: B with ``data.cache``: the first epoch's batches are kept as shards and the
+   later epochs read them (``--no-cached`` leaves it out).
 
 Both train every sample ``--epochs`` times with the same plan. Reported per run: wall seconds,
 bytes written (everything under the dataset and run directories, checkpoints included; and the
 data alone: the dataset vs the streaming run's held-out samples), and the peak resident memory
 of each process -- the CLI's driver, the capture actor, the training worker, Ray's own processes
 -- sampled from /proc every 0.2 s (Linux; RSS counts the object-store pages a process maps), plus
-the peak of their sum. Runs alternate (A, B) per repeat.
+the peak of their sum. Runs alternate (A, B, C) per repeat.
 
     python tests/benchmarks/bench_stream.py
     python tests/benchmarks/bench_stream.py --shape tiny --conversations 40 --repeats 1   # smoke
@@ -177,15 +179,18 @@ def offline(target: Path, conv: Path, work: Path, cpus: int, epochs: int) -> dic
     }
 
 
-def streaming(target: Path, conv: Path, work: Path, cpus: int, epochs: int) -> dict:
+def streaming(target: Path, conv: Path, work: Path, cpus: int, epochs: int, cached: bool = False) -> dict:
     import yaml
 
-    run = work / "stream-run"
-    shutil.rmtree(run, ignore_errors=True)
+    run, cache = work / "stream-run", work / "stream-cache"
+    for d in (run, cache):
+        shutil.rmtree(d, ignore_errors=True)
     x = work / "stream-extract.yaml"
     x.write_text(yaml.safe_dump(extract_config(target, conv, work / "unused", cpus / 2)))
-    r = run_cli("train", train_config(target, run, cpus / 2, epochs, data={"stream": str(x)}), work)
-    return {**r, "bytes_written": du(run), "data_bytes": du(run / "data")}  # the held-out samples only
+    data = {"stream": str(x), **({"cache": str(cache)} if cached else {})}
+    r = run_cli("train", train_config(target, run, cpus / 2, epochs, data=data), work)
+    # the held-out samples, and the first epoch's batches when cached
+    return {**r, "bytes_written": du(run, cache), "data_bytes": du(run / "data", cache)}
 
 
 def main() -> None:
@@ -194,6 +199,7 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=100)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-cached", action="store_true", help="leave out run C (data.cache)")
     ap.add_argument("--work", default=None, help="directory for the target (cached) and outputs")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -206,14 +212,17 @@ def main() -> None:
     conv = work / f"conversations-{a.conversations}.jsonl"
     write_conversations(conv, a.conversations)
     load_before = os.getloadavg()
-    runs: dict[str, list[dict]] = {"offline": [], "streaming": []}
-    for r in range(a.repeats):  # alternated, so drift in the machine hits both alike
+    runs: dict[str, list[dict]] = {"offline": [], "streaming": []} | ({} if a.no_cached else {"streaming_cached": []})
+    for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
         runs["offline"].append(offline(target, conv, work, cpus, a.epochs))
         runs["streaming"].append(streaming(target, conv, work, cpus, a.epochs))
-        o, s = runs["offline"][-1], runs["streaming"][-1]
+        if "streaming_cached" in runs:
+            runs["streaming_cached"].append(streaming(target, conv, work, cpus, a.epochs, cached=True))
         print(
-            f"repeat {r}: offline {o['wall_s']:.1f} s ({o['bytes_written'] / 1e6:.1f} MB written), "
-            f"streaming {s['wall_s']:.1f} s ({s['bytes_written'] / 1e6:.1f} MB written)",
+            f"repeat {r}: "
+            + ", ".join(
+                f"{k} {v[-1]['wall_s']:.1f} s ({v[-1]['bytes_written'] / 1e6:.1f} MB written)" for k, v in runs.items()
+            ),
             flush=True,
         )
     med = statistics.median
@@ -234,28 +243,33 @@ def main() -> None:
         "peak_rss_bytes": {
             "offline_extract": runs["offline"][-1]["extract"]["peak_rss_bytes"],
             "offline_train": runs["offline"][-1]["train"]["peak_rss_bytes"],
-            "streaming": runs["streaming"][-1]["peak_rss_bytes"],
+            **{k: runs[k][-1]["peak_rss_bytes"] for k in runs if k != "offline"},
         },
         "peak_total_rss_bytes": {
             "offline_extract": runs["offline"][-1]["extract"]["peak_total_rss_bytes"],
             "offline_train": runs["offline"][-1]["train"]["peak_total_rss_bytes"],
-            "streaming": runs["streaming"][-1]["peak_total_rss_bytes"],
+            **{k: runs[k][-1]["peak_total_rss_bytes"] for k in runs if k != "offline"},
         },
         "ratios": {
-            "streaming_wall_over_offline": med(walls["streaming"]) / med(walls["offline"]),
-            "streaming_bytes_over_offline": runs["streaming"][-1]["bytes_written"]
-            / runs["offline"][-1]["bytes_written"],
-            "streaming_data_bytes_over_offline": runs["streaming"][-1]["data_bytes"]
-            / runs["offline"][-1]["data_bytes"],
+            r: v
+            for k in runs
+            if k != "offline"
+            for r, v in {
+                f"{k}_wall_over_offline": med(walls[k]) / med(walls["offline"]),
+                f"{k}_bytes_over_offline": runs[k][-1]["bytes_written"] / runs["offline"][-1]["bytes_written"],
+                f"{k}_data_bytes_over_offline": runs[k][-1]["data_bytes"] / runs["offline"][-1]["data_bytes"],
+            }.items()
         },
         "runs": runs,
     }
     save_result(result, f"stream_{a.shape}_cpu.json", a.out)
     r = result["ratios"]
-    print(
-        f"streaming / offline: wall {r['streaming_wall_over_offline']:.2f}, bytes written "
-        f"{r['streaming_bytes_over_offline']:.3f} (data alone {r['streaming_data_bytes_over_offline']:.3f})"
-    )
+    for k in runs:
+        if k != "offline":
+            print(
+                f"{k} / offline: wall {r[f'{k}_wall_over_offline']:.2f}, bytes written "
+                f"{r[f'{k}_bytes_over_offline']:.3f} (data alone {r[f'{k}_data_bytes_over_offline']:.3f})"
+            )
 
 
 if __name__ == "__main__":
