@@ -228,12 +228,14 @@ def test_blocked_validation_leaves_channel_unchanged(tiny_target, convs, tmp_pat
     src = tmp_path / "conv.jsonl"
     write_rows(src, convs[:30])
     cfg = retrain_config(tmp_path, tiny_target, src)
-    cfg = cfg.model_copy(update={"validate_": {**cfg.validate_, "tolerances": {"acceptance_floor": 3.9}}})
+    # above the k + 1 = 4 tokens a verify step can yield: blocked whatever the 1-epoch draft learned (a floor
+    # of 3.9 was met once: the tiny target's greedy text repeats, and a draft that learns that is accepted whole)
+    cfg = cfg.model_copy(update={"validate_": {**cfg.validate_, "tolerances": {"acceptance_floor": 4.5}}})
     reg = Registry(open_store(cfg.registry))
     _create_channel_like_first_export(cfg, reg, tiny_target)
     r = run_retrain(cfg, progress=False)
     assert r.outcome == "blocked" and r.decision == "block"
-    assert any("< floor 3.9" in x for x in r.reasons)
+    assert any("< floor 4.5" in x for x in r.reasons)
     assert reg.pointer("production")[0] is None
     rec = [e for e in reg.history("production") if e.action == "retrain"][-1]
     assert rec.details["outcome"] == "blocked" and any("floor" in x for x in rec.reasons)

@@ -7,6 +7,7 @@ shared by every test here (``vllm_engine.shared``)."""
 
 import json
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -121,6 +122,64 @@ def test_vllm_tensor_parallel_extraction_on_cpu_equals_tp1(
     print("vLLM TP 2 vs TP 1 fp32, worst relative L2 per point:", worst)
     assert worst["embedding"] == 0.0  # the embedding table is split by vocabulary rows: a lookup, exact
     assert max(worst.values()) < 1e-6  # fp32 rounding (TP 1 vs HF is the same order); neighbours are >0.28 apart
+
+
+@pytest.mark.ray
+def test_a_vllm_capture_actor_streams_training_batches(
+    vllm_tp1_dataset, ray_connected, tiny_target, conversations, tmp_path
+):
+    """Streaming mode with a vLLM capture actor: the batches the worker trained on -- kept by
+    ``data.cache``, so they can be read back -- are vLLM's captures (their provenance names vLLM,
+    its ids and boundaries; their values are those of the vLLM-extracted dataset up to fp32
+    summation order), and so is the stored held-out data."""
+    import yaml
+
+    from pipeline.train.job import run_train
+    from schemas.train import TrainConfig
+
+    vdir, _ = vllm_tp1_dataset
+    x = extract_cfg(tiny_target, conversations, tmp_path / "unused", "vllm", ray={"address": ray_connected["address"]})
+    (tmp_path / "extract.yaml").write_text(yaml.safe_dump(x.model_dump(mode="json")))
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    result = run_train(
+        TrainConfig.model_validate(
+            {
+                "target": {"path": str(tiny_target)},
+                "data": {"stream": str(tmp_path / "extract.yaml"), "cache": str(cache)},
+                "output": str(out),
+                "aux": ["embedding", "layer_output:0", "layer_output:2"],
+                "draft_vocab_size": 4096,
+                "ttt_steps": 2,
+                "batch_tokens": 512,
+                "max_steps": 3,
+                "eval_fraction": 0.1,
+                "num_workers": 1,
+                "cpus_per_worker": 1,
+                "ray_address": ray_connected["address"],
+                "deepspeed": {"zero_stage": 2, "dtype": "float32"},
+                "heldout_acceptance": {"prompts": 0},
+                "export": {"engines": ["vllm"], "dtype": "float32"},
+            }
+        ),
+        progress=False,
+    )
+    assert result["metrics"]["steps"] == 3 and result["metrics"]["stream_batches"] == {"captured": 3, "from_cache": 0}
+    held = DatasetReader(str(out / "data"))
+    assert {str(p): held.provenance(p).engine.name for p in held.points} == dict.fromkeys(CAPTURE, "vllm")
+    kept = DatasetReader(str(cache), manifest=held.manifest)  # the held-out data's columns decode the batches
+    offline = {s.sample_id: s for s in DatasetReader(str(vdir)).iter_samples()}
+    worst, n = 0.0, 0
+    for f in sorted(cache.rglob("*.parquet")):
+        path = f.relative_to(cache).as_posix()
+        kept.check_file_provenance(path)  # vLLM's provenance, as the held-out data's
+        for rg in range(pq.ParquetFile(f).num_row_groups):
+            table = kept.read_row_group(path, rg)
+            want = offline[table["sample_id"][0].as_py()]
+            for p in CAPTURE:
+                a, b = kept.decode(table, 0, p).double(), want.tensors[p].double()
+                worst = max(worst, ((a - b).norm() / b.norm()).item())
+            n += 1
+    assert n > 0 and worst < 1e-6, (n, worst)
 
 
 def test_parallel_configs_are_checked_before_anything_starts(tiny_target, conversations, tmp_path):
