@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from pipeline.extract.job import run_extract
 from pipeline.fingerprint import Fingerprints
 from pipeline.store.reader import DatasetReader, ProvenanceMismatch, index_samples
+from pipeline.train import stream
 from pipeline.train.checkpoint import latest
 from pipeline.train.data import split_eval
 from pipeline.train.job import prepare, run_train
@@ -261,6 +262,23 @@ def test_a_stream_config_is_checked_before_anything_starts(tiny_target, source, 
         match=r"(?s)data.stream \(.*x.yaml\): invalid configuration.*capture: .*unknown capture point 'nope'",
     ):
         run_train(cfg, progress=False)
+    assert not (tmp_path / "r").exists()
+    # no final state to learn from: refused before any actor starts, with what to capture instead
+    x = extract_raw(tiny_target, source / "conv.jsonl", tmp_path)
+    for name, over, fix in (
+        ("nofinal", {"capture": POINTS[:-1]}, "add final:post_norm"),
+        (
+            "sglang",
+            {"capture": [*POINTS[:-1], "final:pre_norm"], "engine": {"name": "sglang", "dtype": "bfloat16"}},
+            "cannot capture final:pre_norm; SGLang's capture ends at the last layer's input, so stream with engine hf",
+        ),
+    ):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**x, **over}))
+        cfg = TrainConfig.model_validate(
+            train_raw(tiny_target, tmp_path / "r", data={"stream": str(tmp_path / f"{name}.yaml")})
+        )
+        with pytest.raises(ConfigError, match=f"a streaming run needs the target's final state.*{fix}"):
+            stream.start(cfg, stream.extract_config(cfg), progress=False)
     assert not (tmp_path / "r").exists()
 
 

@@ -26,8 +26,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from pipeline import conventions
 from pipeline.cluster import stalled
 from pipeline.data.source import scan_source
+from pipeline.engines import engine_ref
 from pipeline.extract import layout
 from pipeline.extract.job import build_schema, check_plan, run_extract
 from pipeline.extract.pool import CaptureActor, CapturePool
@@ -161,6 +163,29 @@ class Streamed:
         self.pool.close(graceful)
 
 
+def check_final(cfg: TrainConfig, xcfg: ExtractConfig, n: int) -> None:
+    """A stream must capture a final state its engine can capture: training's targets are the
+    target's LM head on it. (Before any actor starts: offline, a dataset without one is refused
+    only when training reads it.)"""
+    finals = [p for p in xcfg.capture if p.kind == "final" or conventions.boundary(p, n) == n]
+    if any(xcfg.engine.name == "hf" or engine_ref(xcfg, p, n).native_id is not None for p in finals):
+        return
+    why = (
+        f"engine {xcfg.engine.name} cannot capture {', '.join(map(str, finals))}"
+        if finals
+        else "its capture list has no final:post_norm or final:pre_norm"
+    )
+    fix = (
+        "; SGLang's capture ends at the last layer's input, so stream with engine hf or vllm"
+        if xcfg.engine.name == "sglang"
+        else "; add final:post_norm (or final:pre_norm) to its capture list"
+    )
+    raise ConfigError(
+        f"data.stream {cfg.data.stream}: a streaming run needs the target's final state, whose LM-head "  # type: ignore[union-attr]
+        f"distribution is what the draft learns, but {why}{fix}"
+    )
+
+
 def start(cfg: TrainConfig, xcfg: ExtractConfig, progress: bool = True) -> Streamed:
     """Tokenize the source, start the capture actors and store the held-out samples with them."""
     identity = target_identity(xcfg.target.path, xcfg.target.name, xcfg.target.revision)
@@ -171,6 +196,7 @@ def start(cfg: TrainConfig, xcfg: ExtractConfig, progress: bool = True) -> Strea
             f"data.stream {cfg.data.stream} captures {identity.describe()}, but the run trains for "  # type: ignore[union-attr]
             f"{trained.describe()}; differs in: {'; '.join(diff)}"
         )
+    check_final(cfg, xcfg, identity.num_layers)
     check_plan(xcfg, identity)
     scan = scan_source(xcfg.source.uri, xcfg.source.format, xcfg.s3)
     if not scan.rows:
