@@ -316,12 +316,15 @@ def test_two_ray_train_workers_stream_their_shares_as_offline(
     runs = {}
     for name, data in (
         ("offline", {"dataset": str(source / "ds")}),
-        ("streamed", {"data": {"stream": str(source / "extract.yaml")}}),
+        # cached: the second epoch reads the first epoch's shards (or captures a batch none of them holds)
+        ("streamed", {"data": {"stream": str(source / "extract.yaml"), "cache": str(tmp_path / "cache")}}),
     ):
         runs[name] = run_train(
             TrainConfig.model_validate(train_raw(tiny_target, tmp_path / name, **data, **kw)), progress=False
         )
     assert runs["offline"]["metrics"]["steps"] == runs["streamed"]["metrics"]["steps"] == 6
+    fed = json.loads((tmp_path / "streamed" / "final_metrics.json").read_text())["stream_batches"]
+    assert fed["captured"] + fed["from_cache"] == 6 and fed["captured"] > 0
     a = load_file(tmp_path / "offline/checkpoints/step-000006/model.safetensors")
     b = load_file(tmp_path / "streamed/checkpoints/step-000006/model.safetensors")
     for k in a:

@@ -122,7 +122,8 @@ class StreamCaptureActor(CaptureActor):
                 SampleMeta(sid, keep["source_uri"], row, sha, x.tolist(), m.astype(np.uint8).tolist())
                 for sid, row, sha, x, m in zip(sample_ids, keep["source_rows"], keep["sha256"], ids, masks, strict=True)
             ]
-            stream_cache.write_shard(keep["spec"], keep["path"], worker.schema, list(zip(metas, kept, strict=True)))
+            samples = list(zip(metas, kept, strict=True))
+            stream_cache.write_shard(keep["uri"], keep["s3"], keep["path"], worker.schema, samples)
         return {**out.d, "sample_ids": list(sample_ids)}
 
 
@@ -237,9 +238,8 @@ class StreamSource:
     sample's tokens in the object store (one copy per node, read in place by the workers)."""
 
     actors: list
-    tokens: (
-        object  # ObjectRef of {"ids": int32[sum T], "mask": bool[sum T], "offsets": int64[N + 1], "sample_ids", ...}
-    )
+    # ObjectRef of {"ids": int32[sum T], "mask": bool[sum T], "offsets": int64[N + 1], "sample_ids", ...}
+    tokens: object
     aux: list[str]
     final: str
     in_flight: int
@@ -312,8 +312,9 @@ class FeedStream:
             return "cache", reads.submit(self.cache.read, idx, lengths, sample_ids, src.aux, src.final, src.packed)
         keep = None
         if self.cache is not None and step < self.source.cache.steps:  # type: ignore[union-attr]
-            keep = {
-                "spec": self.source.cache,
+            keep = {  # where to write it (not the manifest: the actor writes the schema it captures with)
+                "uri": self.source.cache.uri,  # type: ignore[union-attr]
+                "s3": self.source.cache.s3,  # type: ignore[union-attr]
                 "path": stream_cache.shard_path(step, self.rank),
                 "source_uri": tokens["source_uri"],
                 "source_rows": [tokens["source_rows"][i] for i in idx],

@@ -92,10 +92,10 @@ def _describe(r: dict) -> str:
     return f"{r.get('source')} captured at {r.get('capture')}, {r.get('steps')} first-epoch steps on {r.get('workers')} workers"
 
 
-def write_shard(spec: CacheSpec, path: str, schema, samples: list[tuple[SampleMeta, dict[str, np.ndarray]]]) -> None:
+def write_shard(uri: str, s3: dict, path: str, schema, samples: list[tuple[SampleMeta, dict[str, np.ndarray]]]) -> None:
     """A capture actor keeps one captured batch: ``samples`` in batch order, each with its byte
     planes (capture point -> [bytes, tokens, H] uint8), one row group each."""
-    fs, root = resolve(spec.uri, S3Config.model_validate(spec.s3))
+    fs, root = resolve(uri, S3Config.model_validate(s3))
     writer = ShardWriter(fs, join(root, path), schema)
     try:
         for meta, planes in samples:
@@ -126,6 +126,8 @@ class CacheReader:
     def has(self, idx: list[int]) -> bool:
         """Every sample's shard is there (a shard still being written is not: it appears at once, whole)."""
         for i in idx:
+            if i not in self.where:  # in no first-epoch batch (with several workers an epoch drops a remainder)
+                return False
             path = self.where[i][0]
             if path not in self._present:
                 if not exists(self.reader.fs, join(self.reader.root, path)):
