@@ -12,9 +12,11 @@ B. plain: the same draft, the same target head, the same batches already decoded
 C. deepspeed: the job's own Trainer (DeepSpeed ZeRO-2) on those in-memory batches, in this
    process -- no Ray, no data loading: what DeepSpeed alone costs.
 D. plain process: B as a whole script in a fresh process (imports, verifying and decoding the
-   data, building the draft, the steps, exit), timed from outside like A. Fixed cost = wall time
-   minus the steps' tokens at the run's steady throughput; the job's fixed cost beyond D's is
-   what Strata adds to every run.
+   data, building the draft, the steps, exit), timed from outside like A, its steps timed in
+   windows of ``metrics_every`` as the job times its own. Fixed cost = wall time minus the steps'
+   tokens at the run's steady throughput (both: the median window after the first, so the first
+   large batches' warm-up -- the process's memory being faulted in -- is fixed cost on both
+   sides); the job's fixed cost beyond D's is what Strata adds to every run.
 
 Runs alternate (B, C, D, A, A with ray_data) per repeat; min/median/max and the machine's load are saved.
 
@@ -141,6 +143,21 @@ class InProcess:
 
     def plain(self) -> float:
         """Plain torch: same model, head, schedule and batches; tokens/s after one warm-up step."""
+        return self._timed(self.plain_step())
+
+    def plain_windows(self, every: int) -> list[dict]:
+        """The plain loop timed as the job times itself: a window of ``every`` steps, from the first."""
+        step, windows = self.plain_step(), []
+        for i in range(0, len(self.batches), every):
+            t0 = time.perf_counter()
+            for b in self.batches[i : i + every]:
+                step(b)
+            tokens = sum(b.tokens for b in self.batches[i : i + every])
+            windows.append({"tokens": tokens, "tokens_per_s": tokens / (time.perf_counter() - t0)})
+        return windows
+
+    def plain_step(self):
+        """One plain-torch training step on a batch, on a fresh draft and optimizer."""
         import torch
 
         from pipeline.draft.target_head import TargetHead
@@ -172,7 +189,7 @@ class InProcess:
             opt.step()
             sched.step()
 
-        return self._timed(step)
+        return step
 
     def deepspeed(self) -> float:
         import torch.distributed as dist
@@ -219,7 +236,17 @@ def main() -> None:
     a = ap.parse_args()
     if a.plain_process:
         local = InProcess(json.loads(Path(a.plain_process).read_text()), a.threads)
-        print(json.dumps({"tokens_per_s": local.plain(), "tokens": local.tokens}))
+        windows = local.plain_windows(local.cfg.metrics_every)
+        steady = windows[1:] or windows  # exactly as run_job reads the job's metrics windows
+        print(
+            json.dumps(
+                {
+                    "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
+                    "first_window_tokens_per_s": windows[0]["tokens_per_s"],
+                    "tokens": local.tokens,
+                }
+            )
+        )
         return
     loadings = a.loadings.split(",")
     if not loadings or not set(loadings) <= {"worker", "ray_data"}:
