@@ -1,6 +1,7 @@
-"""Benchmarks that must keep working: the GPU benchmark (exercised on the CPU at tiny sizes,
-in a Python where Ray, DeepSpeed, vLLM, zstandard and pydantic cannot be imported: a GPU box
-may have only torch, transformers and pyarrow), and the whole-job extraction benchmark."""
+"""Benchmarks that must keep working: the GPU benchmark (extraction, the draft step, packing,
+streaming vs extract-then-train; exercised on the CPU at tiny sizes, in a Python where Ray,
+DeepSpeed, vLLM, zstandard and pydantic cannot be imported: a GPU box may have only torch,
+transformers and pyarrow), and the whole-job extraction benchmark."""
 
 import json
 import subprocess
@@ -44,6 +45,8 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
             "2",
             "--dtype",
             "float32",
+            "--epochs",
+            "1",
             "--out",
             str(out),
         ],
@@ -65,6 +68,14 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
         assert set(pk["real_tokens_per_s"]) == {"padded", "packed"} and pk["packed_over_padded"] > 0
         assert pk["steps_per_epoch"]["packed"] <= pk["steps_per_epoch"]["padded"]
     assert r["packing"]["demo"]["padding_fraction_padded"] > 0
+    # streaming vs extract-then-train: only the offline mode writes, both train every planned step
+    # on the same samples (the drafts differ by float summation order alone)
+    st = r["stream"]
+    (streamed,), (offline,) = st["runs"]["streamed"], st["runs"]["offline"]
+    assert streamed["bytes_written"] == 0 < offline["bytes_written"] == st["offline_bytes_written"]
+    assert offline["bytes_written"] <= st["real_tokens_trained"] * 4 * 4 * 64 + 65536  # one epoch; + Parquet's own
+    assert st["steps"] > 1 and offline["extract_s"] + offline["train_s"] == offline["wall_s"]
+    assert 0 <= st["draft_rel_diff"] < 1e-2 and streamed["peak_host_rss_gb"] > 0
     # stamped with what it measured: this checkout's commit (this is a git clone) and the date
     import datetime
 

@@ -144,27 +144,31 @@ def from_samples(
     points: list[str],
     dim: int = 64,
     seed: int = 0,
+    order: list[str] | None = None,
 ) -> Fingerprints:
     """Fingerprints of (sample id, token ids [T], point -> [T, H], first assistant token or None)
-    samples, consumed one at a time."""
+    samples, consumed one at a time; stored in ``order`` of sample ids when given (samples may
+    then arrive in any order, e.g. as their row groups are read)."""
     projs: dict[int, torch.Tensor] = {}
-    sk: dict[str, list] = {p: [] for p in points}
-    rm: dict[str, list] = {p: [] for p in points}
-    dg: dict[str, list] = {p: [] for p in points}
-    sids, ids, lengths, starts = [], [], [], []
+    per_sample = []  # (sid, toks, start, {point: (sketch, rms, digest)}): small, unlike the states
     for sid, toks, tensors, start in samples:
-        sids.append(sid)
-        ids.append(toks)
-        lengths.append(int(toks.numel()))
-        starts.append(start)
+        sketched = {}
         for p in points:
             x = tensors[p]
             if x.shape[-1] not in projs:
                 projs[x.shape[-1]] = projection(x.shape[-1], dim, seed)
-            s, q = sketch(x, projs[x.shape[-1]])
-            sk[p].append(s)
-            rm[p].append(q)
-            dg[p].append(tensor_digest(x))
+            sketched[p] = (*sketch(x, projs[x.shape[-1]]), tensor_digest(x))
+        per_sample.append((sid, toks, start, sketched))
+    if order is not None:
+        rank = {sid: i for i, sid in enumerate(order)}
+        per_sample.sort(key=lambda e: rank[e[0]])
+    sids = [e[0] for e in per_sample]
+    ids = [e[1] for e in per_sample]
+    lengths = [int(t.numel()) for t in ids]
+    starts = [e[2] for e in per_sample]
+    sk = {p: [e[3][p][0] for e in per_sample] for p in points}
+    rm = {p: [e[3][p][1] for e in per_sample] for p in points}
+    dg = {p: [e[3][p][2] for e in per_sample] for p in points}
     return Fingerprints(
         sample_ids=sids,
         lengths=lengths,
@@ -190,12 +194,18 @@ def compute(reader, n_probe: int, dim: int = 64, seed: int = 0) -> Fingerprints:
     refs = {r.sample_id: r for r in index_samples(reader)}
     points = list(reader.points)
 
-    def samples():
-        for sid in probe_ids(list(refs), n_probe):
-            r = refs[sid]
-            table = reader.read_row_group(r.shard, r.row_group)
-            toks = torch.from_numpy(table["input_ids"][r.row].values.to_numpy().astype("int64"))
-            mask = table["loss_mask"][r.row].values.to_numpy().astype(bool)
-            yield sid, toks, {p: reader.decode(table, r.row, p) for p in points}, first_assistant_token(mask)
+    probes = probe_ids(list(refs), n_probe)
+    by_group: dict[tuple[str, int], list[str]] = {}
+    for sid in probes:
+        by_group.setdefault((refs[sid].shard, refs[sid].row_group), []).append(sid)
 
-    return from_samples(samples(), points, dim, seed)
+    def samples():
+        for (shard, row_group), sids in by_group.items():  # each row group read once, not once per probe
+            table = reader.read_row_group(shard, row_group)
+            for sid in sids:
+                i = refs[sid].row
+                toks = torch.from_numpy(table["input_ids"][i].values.to_numpy().astype("int64"))
+                mask = table["loss_mask"][i].values.to_numpy().astype(bool)
+                yield sid, toks, {p: reader.decode(table, i, p) for p in points}, first_assistant_token(mask)
+
+    return from_samples(samples(), points, dim, seed, order=probes)

@@ -18,6 +18,16 @@ JSON; every figure is a ratio against a baseline measured in the same run.
    real tokens/s, alternated ``--repeats`` times. Two length distributions: the demo's
    conversations as its tokenizer and chat template count them (cut at its max_length 512), and
    chat-like lognormal lengths.
+4. stream: the compute half of streaming vs extract-then-train on one device, ``--epochs`` over
+   the same conversations in the same packed training batches (``plan_epoch``). Streamed: each
+   batch's target forward with hooks on the aux boundaries and the final norm, its states
+   through host memory (one pinned copy each way, the hop Ray's object store makes) into the
+   draft's training step, captured again every epoch. Extract-then-train: the target forward
+   over token-budget batches, byte-plane Parquet shards written by ``writers`` threads (as in 1),
+   then each epoch reads every batch's samples back from them, reassembles the bytes and trains.
+   Measured: wall time per phase, bytes written, peak device memory and peak host RSS per mode,
+   and how far apart the two drafts end (the same samples and order; the captures differ only in
+   which sequences share a forward, i.e. float summation order).
 
     python tests/benchmarks/bench_gpu.py --out $OUT/gpu.json                      # H200, 8B, bf16
     python tests/benchmarks/bench_gpu.py --shape tiny --device cpu --out gpu.json # CI smoke test
@@ -49,9 +59,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from _results import save_result  # noqa: E402
 from bench_train import make_model, plain_step, sync, synthetic_batches  # noqa: E402
 
-from pipeline.draft.model import (
-    DraftConfig,  # noqa: E402  (torch only)
-    TargetBatch,  # noqa: E402
+from pipeline.draft.model import (  # noqa: E402  (torch only)
+    DraftConfig,
+    Eagle3Draft,
+    TargetBatch,
 )
 from pipeline.engines.packing import pack_by_tokens, packed_forward  # noqa: E402  (torch and transformers only)
 from pipeline.train.plan import plan_epoch  # noqa: E402  (standard library only)
@@ -102,8 +113,12 @@ class PlaneWriters:
     def __init__(self, n: int, out_dir: Path, points: list[str], nbytes: int):
         self.q: queue.Queue = queue.Queue(maxsize=2 * n)
         names = [f"{p}#b{k}" for p in points for k in range(nbytes)]
-        self.schema = pa.schema([pa.field("num_tokens", pa.int32())] + [pa.field(c, pa.large_binary()) for c in names])
+        self.schema = pa.schema(
+            [pa.field("sample", pa.int64()), pa.field("num_tokens", pa.int32())]
+            + [pa.field(c, pa.large_binary()) for c in names]
+        )
         self.points, self.nbytes, self.bytes, self.busy_s = points, nbytes, 0, 0.0
+        self.index: dict[int, tuple[Path, int, int]] = {}  # sample -> (shard, row group, row)
         self.threads = [
             threading.Thread(target=self._run, args=(out_dir / f"shard-{i}.parquet",), daemon=True) for i in range(n)
         ]
@@ -115,11 +130,12 @@ class PlaneWriters:
         codec = pa.Codec("zstd", compression_level=1)
         with open(path, "wb") as f:
             w = pq.ParquetWriter(f, self.schema, compression="none", use_dictionary=False, data_page_size=64 << 20)
+            row_groups = 0
             while (item := self.q.get()) is not None:
                 t0 = time.perf_counter()
-                lengths, planes = item
+                lengths, planes, samples = item
                 offs = np.concatenate([[0], np.cumsum(lengths)])
-                cols = {"num_tokens": pa.array(lengths, pa.int32())}
+                cols = {"sample": pa.array(samples, pa.int64()), "num_tokens": pa.array(lengths, pa.int32())}
                 size = 0
                 for p in self.points:
                     for k in range(self.nbytes):
@@ -128,10 +144,12 @@ class PlaneWriters:
                             cells = [codec.compress(c, asbytes=True) for c in cells]
                         size += sum(map(len, cells))
                         cols[f"{p}#b{k}"] = pa.array(cells, pa.large_binary())
-                w.write_table(pa.table(cols, schema=self.schema))
+                w.write_table(pa.table(cols, schema=self.schema), row_group_size=len(lengths))
                 with self._lock:
+                    self.index.update({x: (path, row_groups, j) for j, x in enumerate(samples)})
                     self.bytes += size
                     self.busy_s += time.perf_counter() - t0
+                row_groups += 1
             w.close()
             f.flush()
             os.fsync(f.fileno())
@@ -184,7 +202,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
                     buf.copy_(planes, non_blocking=True)
                     host[p] = buf
                 sync(device)
-                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}))
+                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}, b))
         finally:
             for h in hooks:
                 h.remove()
@@ -355,6 +373,221 @@ def bench_packing(shape: str, device: torch.device, dtype: torch.dtype, steps: i
     return result
 
 
+class _Hooks:
+    """The aux boundaries (as the inputs of those layers) and the final norm's output of one forward."""
+
+    def __init__(self, model, aux: list[int]):
+        self.store: dict[str, torch.Tensor] = {}
+        layers = model.model.layers
+        self.hooks = [
+            layers[k].register_forward_pre_hook(
+                lambda _m, args, kw, k=k: self.store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
+                with_kwargs=True,
+            )
+            for k in aux
+        ]
+        self.hooks.append(
+            model.model.norm.register_forward_hook(lambda _m, _a, out: self.store.__setitem__("final_post", out))
+        )
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
+def _host_peak_reset() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _host_peak_gb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return None
+
+
+def bench_stream(
+    shape: str, device: torch.device, dtype: torch.dtype, epochs: int, ttt: int, writers: int, repeats: int
+) -> dict:
+    target = build_target(shape, device, dtype)
+    *_, n_conv, budget = SHAPES[shape]
+    batch_tokens = TRAIN_BATCH_TOKENS[shape]
+    lengths = conversation_lengths(n_conv, cap=min(2048, batch_tokens))
+    seqs = conversations(lengths, target.config.vocab_size)
+    n = len(target.model.layers)
+    # r_2, r_N/2, r_N-3 (written out: pipeline.conventions needs pydantic); distinct ones on the tiny shape
+    aux = [2, n // 2, n - 3] if n >= 8 else [1, 2, 3]
+    points = [f"r_{k}" for k in aux] + ["final_post"]
+    nbytes = torch.tensor([], dtype=dtype).element_size()
+    cfg = draft_config(shape)
+    vd = cfg.draft_vocab_size
+    head = target.lm_head.weight[:vd]  # the draft vocab: the target's first vd ids (d2t all zero)
+    plans = [
+        [g for (g,) in plan_epoch([_Sample(x) for x in lengths], batch_tokens, 1, 0, e, packed=True)]
+        for e in range(epochs)
+    ]
+    real = sum(sum(lengths[i] for i in g) for plan in plans for g in plan)
+
+    def train_batch(model, opt, group: list[int], states: dict[str, torch.Tensor]) -> None:
+        lens = [lengths[i] for i in group]
+        ids = torch.tensor([t for i in group for t in seqs[i]], device=device)[None]
+        final = states["final_post"]
+        with torch.no_grad():
+            logits = final.float() @ head.float().T
+            tb = TargetBatch(
+                p_draft=logits.softmax(-1),
+                greedy=logits.argmax(-1),
+                in_draft_vocab=torch.ones_like(ids, dtype=torch.bool),
+                trained=torch.ones_like(ids, dtype=torch.bool),
+            )
+        x = torch.cat([states[p] for p in points[:-1]], dim=-1)
+        out = model(x, ids, tb, steps=ttt, seq_lens=lens)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+
+    def fresh_draft():
+        model = make_model(cfg, device, dtype)
+        with torch.no_grad():  # the target's embedding, as training uses (make_model leaves it random)
+            model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+    @torch.no_grad()
+    def capture(hooks: _Hooks, group: list[int]) -> dict[str, torch.Tensor]:
+        packed_forward(target, target.model, [seqs[i] for i in group], device)
+        return {p: hooks.store[p] for p in points}  # [1, sum T, H] each
+
+    def streamed() -> tuple[dict, Eagle3Draft]:
+        model, opt = fresh_draft()
+        hooks = _Hooks(target, aux)
+        t0 = time.perf_counter()
+        try:
+            for plan in plans:
+                for group in plan:
+                    states = capture(hooks, group)
+                    # the object store's hop: device -> host (pinned) -> device
+                    host = {}
+                    for p, v in states.items():
+                        host[p] = torch.empty(v.shape, dtype=v.dtype, pin_memory=device.type == "cuda")
+                        host[p].copy_(v, non_blocking=True)
+                    sync(device)
+                    train_batch(model, opt, group, {p: v.to(device, non_blocking=True) for p, v in host.items()})
+            sync(device)
+        finally:
+            hooks.remove()
+        return {"wall_s": time.perf_counter() - t0, "bytes_written": 0}, model
+
+    def offline(out_dir: Path) -> tuple[dict, Eagle3Draft]:
+        hooks = _Hooks(target, aux)
+        pool = PlaneWriters(writers, out_dir, points, nbytes)
+        t0 = time.perf_counter()
+        try:
+            for b in pack_by_tokens(lengths, budget):
+                states = capture(hooks, b)
+                host = {}
+                for p in points:
+                    x = states[p][0]
+                    planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
+                    host[p] = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+                    host[p].copy_(planes, non_blocking=True)
+                sync(device)
+                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}, b))
+        finally:
+            hooks.remove()
+            pool.close()
+        extract_s = time.perf_counter() - t0
+        model, opt = fresh_draft()
+        codec = pa.Codec("zstd")
+        t1 = time.perf_counter()
+        groups: dict[tuple[str, int], pa.Table] = {}
+        for plan in plans:
+            for group in plan:
+                rows = []
+                for i in group:
+                    path, rg, row = pool.index[i]
+                    if (path, rg) not in groups:
+                        groups.clear()  # row groups are read as the plan reaches them, one at a time
+                        groups[(path, rg)] = pq.ParquetFile(path).read_row_group(rg)
+                    rows.append((groups[(path, rg)], row, lengths[i]))
+                states = {}
+                for p in points:
+                    parts = []
+                    for table, row, length in rows:
+                        planes = []
+                        for k in range(nbytes):
+                            cell = table[f"{p}#b{k}"][row].as_py()
+                            if k == nbytes - 1:
+                                cell = codec.decompress(
+                                    cell, decompressed_size=length * cfg.target_hidden_size, asbytes=True
+                                )
+                            planes.append(np.frombuffer(cell, np.uint8).reshape(length, -1))
+                        parts.append(torch.from_numpy(np.stack(planes, -1)).view(dtype).view(length, -1))
+                    buf = torch.cat(parts)[None]
+                    if device.type == "cuda":
+                        buf = buf.pin_memory()
+                    states[p] = buf.to(device, non_blocking=True)
+                train_batch(model, opt, group, states)
+        sync(device)
+        train_s = time.perf_counter() - t1
+        written = sum(f.stat().st_size for f in out_dir.iterdir())
+        return {
+            "wall_s": extract_s + train_s,
+            "extract_s": extract_s,
+            "train_s": train_s,
+            "bytes_written": written,
+        }, model
+
+    def measured(run, *args) -> tuple[dict, Eagle3Draft]:
+        _host_peak_reset()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        rec, model = run(*args)
+        rec["peak_host_rss_gb"] = _host_peak_gb()
+        rec["peak_device_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+        rec["tokens_per_s"] = real / rec["wall_s"]
+        return rec, model
+
+    runs: dict[str, list[dict]] = {"streamed": [], "offline": []}
+    drift = 0.0  # the two drafts' largest relative weight difference (packing changes float sums)
+    for _ in range(repeats):  # alternated
+        rec, a = measured(streamed)
+        runs["streamed"].append(rec)
+        with tempfile.TemporaryDirectory(prefix="strata-gpu-stream-") as d:
+            rec, b = measured(offline, Path(d))
+            runs["offline"].append(rec)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
+            if x.is_floating_point():
+                drift = max(drift, ((x.float() - y.float()).norm() / y.float().norm().clamp(min=1e-12)).item())
+    med = {k: statistics.median(r["wall_s"] for r in v) for k, v in runs.items()}
+    result = {
+        "epochs": epochs,
+        "ttt": ttt,
+        "batch_tokens": batch_tokens,
+        "conversations": len(lengths),
+        "real_tokens_trained": real,
+        "steps": sum(len(p) for p in plans),
+        "points": points,
+        "runs": runs,
+        "median_wall_s": med,
+        "streamed_over_offline_wall": med["streamed"] / med["offline"],
+        "offline_bytes_written": runs["offline"][-1]["bytes_written"],
+        "draft_rel_diff": drift,
+    }
+    print(
+        f"stream: streamed/offline wall = {result['streamed_over_offline_wall']:.2f}, offline wrote "
+        f"{result['offline_bytes_written'] / 1e6:.1f} MB, drafts differ by {drift:.1e} (relative)",
+        flush=True,
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = argparse.ArgumentParser()
     a.add_argument("--shape", choices=list(SHAPES), default="llama-8b")
@@ -364,7 +597,8 @@ def main(argv: list[str] | None = None) -> dict:
     a.add_argument("--repeats", type=int, default=3)
     a.add_argument("--steps", type=int, default=10)
     a.add_argument("--ttt", type=int, default=7)
-    a.add_argument("--sections", default="extraction,draft_step,packing", help="comma-separated")
+    a.add_argument("--epochs", type=int, default=2)
+    a.add_argument("--sections", default="extraction,draft_step,packing,stream", help="comma-separated")
     a.add_argument("--out")
     args = a.parse_args(argv)
     sections = set(args.sections.split(","))
@@ -384,7 +618,10 @@ def main(argv: list[str] | None = None) -> dict:
         result["draft_step"] = bench_draft_step(args.shape, device, dtype, args.steps, args.ttt)
     if "packing" in sections:
         result["packing"] = bench_packing(args.shape, device, dtype, args.steps, args.ttt, args.repeats)
-    suffix = "" if sections >= {"extraction", "draft_step", "packing"} else "_" + "_".join(sorted(sections))
+    if "stream" in sections:
+        result["stream"] = bench_stream(args.shape, device, dtype, args.epochs, args.ttt, args.writers, args.repeats)
+    everything = {"extraction", "draft_step", "packing", "stream"}
+    suffix = "" if sections >= everything else "_" + "_".join(sorted(sections))
     save_result(result, f"gpu_{args.shape}_{device.type}{suffix}.json", args.out)
     return result
 
