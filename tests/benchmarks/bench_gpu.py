@@ -161,12 +161,34 @@ class PlaneWriters:
             t.join()
 
 
+class _Hooks:
+    """The aux boundaries (as the inputs of those layers) and the final norm's output of one forward."""
+
+    def __init__(self, model, aux: list[int]):
+        self.store: dict[str, torch.Tensor] = {}
+        layers = model.model.layers
+        self.hooks = [
+            layers[k].register_forward_pre_hook(
+                lambda _m, args, kw, k=k: self.store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
+                with_kwargs=True,
+            )
+            for k in aux
+        ]
+        self.hooks.append(
+            model.model.norm.register_forward_hook(lambda _m, _a, out: self.store.__setitem__("final_post", out))
+        )
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+
+
 def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, writers: int, repeats: int) -> dict:
     model = build_target(shape, device, dtype)
     *_, n_conv, budget = SHAPES[shape]
     lengths = conversation_lengths(n_conv)
     batches = pack_by_tokens(lengths, budget)
-    layers, norm, n = model.model.layers, model.model.norm, len(model.model.layers)
+    n = len(model.model.layers)
     # r_2, r_N/2, r_N-3 (the EAGLE-3 defaults) as the inputs of those layers: written out here
     # because pipeline.conventions needs pydantic, which a GPU box may lack.
     aux = [2, n // 2, n - 3]
@@ -181,22 +203,14 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
 
     @torch.no_grad()
     def capture(out_dir: Path) -> dict:
-        store: dict[str, torch.Tensor] = {}
-        hooks = [
-            layers[k].register_forward_pre_hook(
-                lambda _m, args, kw, k=k: store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
-                with_kwargs=True,
-            )
-            for k in aux
-        ]
-        hooks.append(norm.register_forward_hook(lambda _m, _a, out: store.__setitem__("final_post", out)))
+        hooks = _Hooks(model, aux)
         pool = PlaneWriters(writers, out_dir, points, torch.tensor([], dtype=dtype).element_size())
         try:
             for b in batches:
                 packed_forward(model, model.model, [seqs[i] for i in b], device)
                 host = {}
                 for p in points:
-                    x = store[p][0]  # [sum T, H]: the packed row
+                    x = hooks.store[p][0]  # [sum T, H]: the packed row
                     planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
                     buf = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
                     buf.copy_(planes, non_blocking=True)
@@ -204,8 +218,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
                 sync(device)
                 pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}, b))
         finally:
-            for h in hooks:
-                h.remove()
+            hooks.remove()
             pool.close()
         return {"bytes": pool.bytes, "writer_busy_s": pool.busy_s}
 
@@ -371,28 +384,6 @@ def bench_packing(shape: str, device: torch.device, dtype: torch.dtype, steps: i
         }
         print(f"packing [{name}]: packed/padded real tokens/s = {result[name]['packed_over_padded']:.2f}", flush=True)
     return result
-
-
-class _Hooks:
-    """The aux boundaries (as the inputs of those layers) and the final norm's output of one forward."""
-
-    def __init__(self, model, aux: list[int]):
-        self.store: dict[str, torch.Tensor] = {}
-        layers = model.model.layers
-        self.hooks = [
-            layers[k].register_forward_pre_hook(
-                lambda _m, args, kw, k=k: self.store.__setitem__(f"r_{k}", args[0] if args else kw["hidden_states"]),
-                with_kwargs=True,
-            )
-            for k in aux
-        ]
-        self.hooks.append(
-            model.model.norm.register_forward_hook(lambda _m, _a, out: self.store.__setitem__("final_post", out))
-        )
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
 
 
 def _host_peak_reset() -> None:
