@@ -48,6 +48,25 @@ def test_fingerprints_written_with_the_dataset(extracted):
             assert fp.digests[p][i] == fpm.tensor_digest(s.tensors[p])
 
 
+def test_fingerprints_come_out_in_probe_order_whatever_order_the_row_groups_are_read_in():
+    """``compute`` reads each row group once, so probes arrive grouped by where they are stored;
+    the fingerprints still hold them in probe order, each sample's sketch, digest and tokens its own."""
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        (f"s{i}", torch.randint(0, 100, (n,), generator=g), {"a": torch.randn(n, 16, generator=g)}, i or None)
+        for i, n in enumerate((5, 3, 7, 4))
+    ]
+    order = [s[0] for s in samples]
+    want = fpm.from_samples(iter(samples), ["a"], dim=8)
+    got = fpm.from_samples(iter([samples[2], samples[0], samples[3], samples[1]]), ["a"], dim=8, order=order)
+    assert got.sample_ids == want.sample_ids == order and got.lengths == want.lengths == [5, 3, 7, 4]
+    assert got.digests == want.digests and got.prompt_lengths == want.prompt_lengths == [None, 1, 2, 3]
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.sketches["a"], want.sketches["a"])
+    assert torch.equal(got.rms["a"], want.rms["a"])
+    for i, (_, toks, tensors, _) in enumerate(samples):
+        assert got.tokens(i) == toks.tolist() and got.digests["a"][i] == fpm.tensor_digest(tensors["a"])
+
+
 def test_sketch_preserves_relative_l2_and_separates_neighbouring_layers(tiny_target):
     """Compare every boundary r_0..r_N, final post-norm of one batch, in full space and sketch space."""
     n = 6
