@@ -24,7 +24,9 @@ JSON; every figure is a ratio against a baseline measured in the same run.
    through host memory (one pinned copy each way, the hop Ray's object store makes) into the
    draft's training step, captured again every epoch. Extract-then-train: the target forward
    over token-budget batches, byte-plane Parquet shards written by ``writers`` threads (as in 1),
-   then each epoch reads every batch's samples back from them, reassembles the bytes and trains.
+   then each epoch reads every batch's samples back from them (each row group a batch needs, once for
+   that batch, as the training job's ``load_batch`` does; a row group is one forward batch, as
+   extraction writes them), reassembles the bytes and trains.
    Measured: wall time per phase, bytes written, peak device memory and peak host RSS per mode,
    and how far apart the two drafts end (the same samples and order; the captures differ only in
    which sequences share a forward, i.e. float summation order).
@@ -497,14 +499,14 @@ def bench_stream(
         model, opt = fresh_draft()
         codec = pa.Codec("zstd")
         t1 = time.perf_counter()
-        groups: dict[tuple[str, int], pa.Table] = {}
         for plan in plans:
             for group in plan:
+                # as the training job's load_batch reads: each row group a batch needs, once for the batch
+                groups: dict[tuple[Path, int], pa.Table] = {}
                 rows = []
                 for i in group:
                     path, rg, row = pool.index[i]
                     if (path, rg) not in groups:
-                        groups.clear()  # row groups are read as the plan reaches them, one at a time
                         groups[(path, rg)] = pq.ParquetFile(path).read_row_group(rg)
                     rows.append((groups[(path, rg)], row, lengths[i]))
                 states = {}
