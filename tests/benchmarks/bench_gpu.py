@@ -185,6 +185,19 @@ class _Hooks:
             h.remove()
 
 
+def host_planes(states: dict[str, torch.Tensor], points: list[str], device: torch.device) -> dict[str, np.ndarray]:
+    """Each point's packed row [1, sum T, H] split into byte planes on the device, then one pinned
+    copy to the host per point (byte_planes_v1's split, written out: the store's module needs zstandard)."""
+    host = {}
+    for p in points:
+        x = states[p][0]
+        planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
+        host[p] = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host[p].copy_(planes, non_blocking=True)
+    sync(device)
+    return {p: t.numpy() for p, t in host.items()}
+
+
 def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, writers: int, repeats: int) -> dict:
     model = build_target(shape, device, dtype)
     *_, n_conv, budget = SHAPES[shape]
@@ -210,15 +223,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
         try:
             for b in batches:
                 packed_forward(model, model.model, [seqs[i] for i in b], device)
-                host = {}
-                for p in points:
-                    x = hooks.store[p][0]  # [sum T, H]: the packed row
-                    planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
-                    buf = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
-                    buf.copy_(planes, non_blocking=True)
-                    host[p] = buf
-                sync(device)
-                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}, b))
+                pool.q.put(([lengths[i] for i in b], host_planes(hooks.store, points, device), b))
         finally:
             hooks.remove()
             pool.close()
@@ -484,14 +489,7 @@ def bench_stream(
         try:
             for b in pack_by_tokens(lengths, budget):
                 states = capture(hooks, b)
-                host = {}
-                for p in points:
-                    x = states[p][0]
-                    planes = x.view(torch.uint8).view(*x.shape, -1).permute(2, 0, 1).contiguous()
-                    host[p] = torch.empty(planes.shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
-                    host[p].copy_(planes, non_blocking=True)
-                sync(device)
-                pool.q.put(([lengths[i] for i in b], {p: t.numpy() for p, t in host.items()}, b))
+                pool.q.put(([lengths[i] for i in b], host_planes(states, points, device), b))
         finally:
             hooks.remove()
             pool.close()
