@@ -33,6 +33,7 @@ dtype of B bytes per element (bfloat16/float16: B=2, float32: B=4), little-endia
 stored as B columns named "<capture point>#b<k>", k = 0..B-1, where column #b<k> holds byte
 k of every element (k = B-1 is the most significant byte: sign and exponent), token-major:
 byte k of element [t, h] is at offset t*H + h of the cell. Each cell is a large_binary value.
+Each sample (row) is a row group of its own, so reading one sample reads only its bytes.
 
   * #b<B-1> (sign + exponent byte) is one standard zstd frame; decompress it to T*H bytes.
   * every other #b<k> is stored raw: exactly T*H bytes (mantissa bytes do not compress).

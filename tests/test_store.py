@@ -296,3 +296,38 @@ def test_inspect_verify_catches_flipped_truncated_deleted_shards_and_bad_totals(
 
     with pytest.raises(ValueError, match="totals.tokens"):  # one verification: training's reader refuses it too
         DatasetReader(uri)
+
+
+def test_each_sample_is_a_row_group_so_a_batch_reads_only_its_samples(
+    tiny_target, conversations, tmp_path, monkeypatch
+):
+    """Extraction packs many samples into one forward; training takes a few samples from each of
+    many shards, and Parquet reads whole column chunks: a row group per forward batch would make
+    every sample cost its whole forward batch's bytes."""
+    from pipeline.store.reader import index_samples
+    from pipeline.train.data import load_batch
+
+    cfg, m = extract(tiny_target, conversations, str(tmp_path / "ds"), engine={"dtype": "float32", "device": "cpu"})
+    reader = DatasetReader(cfg.output.uri)
+    reader.verify_all()
+    refs = index_samples(reader)
+    assert len(refs) == m.totals.rows and [r.row for r in refs] == [0] * len(refs)
+    for shard in reader.shards:  # the 16-row units went through the engine in fewer forwards than rows
+        assert pq.ParquetFile(tmp_path / "ds" / shard.path).metadata.num_row_groups == shard.rows > 1
+    read: list[tuple[str, int]] = []
+    real = reader.read_row_group
+    monkeypatch.setattr(
+        reader, "read_row_group", lambda s, rg, columns=None: read.append((s, rg)) or real(s, rg, columns)
+    )
+    batch = [refs[3], refs[len(refs) // 2], refs[-1]]
+    got = load_batch(reader, batch, POINTS[:2], POINTS[2], packed=True)
+    assert sorted(read) == sorted((r.shard, r.row_group) for r in batch)  # three samples, three one-row reads
+    samples = {s.sample_id: s for s in reader.iter_samples()}
+    want = torch.cat([samples[r.sample_id].tensors[POINTS[2]] for r in batch]).float().numpy()
+    assert np.array_equal(got["final"].reshape(want.shape), want)
+    # The footer is parsed once per shard, and what it caches reads the same rows.
+    assert len(reader._footers) == len({r.shard for r in batch})
+    assert (
+        load_batch(reader, batch, POINTS[:2], POINTS[2], packed=True)["final"].tobytes()
+        == got["final"].tobytes()
+    )

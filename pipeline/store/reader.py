@@ -7,6 +7,8 @@ straight from the Arrow buffers.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -23,6 +25,8 @@ from schemas.dataset import META_CODEC, plane_column, provenances_from_schema
 from schemas.identity import TargetIdentity
 from schemas.manifest import MANIFEST_NAME, DatasetManifest, ShardRecord
 from schemas.provenance import DTYPE_BYTES, TensorProvenance
+
+FOOTER_CACHE_SHARDS = 256  # parsed footers a reader keeps (a few hundred KB each at most)
 
 
 class ProvenanceMismatch(UnusableInput):
@@ -87,6 +91,9 @@ class DatasetReader:
         else:
             self.points = have
         self._prov = {str(p.capture_point): p for p in m.columns}
+        # Parsed shard footers, oldest first (published shards never change; decode threads share them).
+        self._footers: OrderedDict[str, pq.FileMetaData] = OrderedDict()
+        self._footers_lock = threading.Lock()
 
     @property
     def shards(self) -> list[ShardRecord]:
@@ -161,12 +168,21 @@ class DatasetReader:
                 seen[sid] = shard.path  # type: ignore[assignment]
 
     def read_row_group(self, shard_path: str, row_group: int, columns: list[str] | None = None) -> pa.Table:
-        """One row group, without re-hashing the shard (call verify_all first)."""
+        """One row group, without re-hashing the shard (call verify_all first). A shard's footer
+        is parsed once (a row group per sample makes it the larger read for one sample)."""
         cols = columns or ["sample_id", "input_ids", "loss_mask", "num_tokens"] + [
             plane_column(p, k) for p in self.points for k in range(DTYPE_BYTES[self._prov[p].dtype])
         ]
         with self.fs.open_input_file(join(self.root, shard_path)) as f:
-            return pq.ParquetFile(f).read_row_group(row_group, columns=cols)
+            with self._footers_lock:
+                meta = self._footers.get(shard_path)
+            pf = pq.ParquetFile(f, metadata=meta)
+            if meta is None:
+                with self._footers_lock:
+                    self._footers[shard_path] = pf.metadata
+                    while len(self._footers) > FOOTER_CACHE_SHARDS:
+                        self._footers.popitem(last=False)
+            return pf.read_row_group(row_group, columns=cols)
 
     def decode(self, table: pa.Table, i: int, point: str) -> torch.Tensor:
         """Tensor [T, H] of capture point ``point`` for row ``i`` of a shard table."""
@@ -212,8 +228,8 @@ def index_samples(reader: DatasetReader) -> list[SampleRef]:
     for shard in reader.shards:
         with reader.fs.open_input_file(join(reader.root, shard.path)) as f:
             pf = pq.ParquetFile(f)
-            for rg in range(pf.num_row_groups):
-                t = pf.read_row_group(rg, columns=["sample_id", "num_tokens"])
-                for i, (sid, n) in enumerate(zip(t["sample_id"].to_pylist(), t["num_tokens"].to_pylist(), strict=True)):
-                    refs.append(SampleRef(shard.path, rg, i, n, sid))
+            t = pf.read(columns=["sample_id", "num_tokens"])  # one read, whatever the row groups
+            where = [(rg, i) for rg in range(pf.num_row_groups) for i in range(pf.metadata.row_group(rg).num_rows)]
+            for (rg, i), sid, n in zip(where, t["sample_id"].to_pylist(), t["num_tokens"].to_pylist(), strict=True):
+                refs.append(SampleRef(shard.path, rg, i, n, sid))
     return refs

@@ -129,8 +129,9 @@ class ShardWriter:
         }
 
     def write(self, metas: list[SampleMeta], lengths: list[int], planes: dict[str, np.ndarray]) -> None:
-        """Append one row group: ``metas[i]`` describes the i-th of the samples packed end to end in
-        ``planes`` (capture point -> [B, sum(lengths), H] uint8 byte planes), ``lengths[i]`` tokens long."""
+        """Append one row group per sample: ``metas[i]`` describes the i-th of the samples packed end
+        to end in ``planes`` (capture point -> [B, sum(lengths), H] uint8 byte planes), ``lengths[i]``
+        tokens long."""
         if len(metas) != len(lengths):
             raise ValueError(f"{len(metas)} sample records for a batch of {len(lengths)} samples")
         for m, n in zip(metas, lengths, strict=True):
@@ -164,7 +165,10 @@ class ShardWriter:
         table = pa.Table.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
         t0, sink0 = time.perf_counter(), self._sink.hash_s + self._sink.write_s
         with full_disk_errors(self.path):
-            self._writer.write_table(table, row_group_size=len(metas))
+            # A row group per sample: training reads a few samples from each of many shards per
+            # batch, and Parquet reads whole column chunks -- a row group per forward batch would
+            # make every batch read the whole forward batch of each sample it needs.
+            self._writer.write_table(table, row_group_size=1)
         self._table_s += time.perf_counter() - t0 - (self._sink.hash_s + self._sink.write_s - sink0)
         self.rows += len(metas)
         self.tokens += int(token_offsets[-1])
