@@ -1,7 +1,7 @@
 """Benchmarks that must keep working: the GPU benchmark (extraction, the draft step, packing,
 streaming vs extract-then-train; exercised on the CPU at tiny sizes, in a Python where Ray,
 DeepSpeed, vLLM, zstandard and pydantic cannot be imported: a GPU box may have only torch,
-transformers and pyarrow), and the whole-job extraction benchmark."""
+transformers and pyarrow), the whole-job extraction benchmark, and the row-group layouts' reads."""
 
 import json
 import subprocess
@@ -187,3 +187,33 @@ def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):
     assert set(r["peak_rss_bytes"]["offline_extract"]) >= {"driver", "capture_actor"}
     assert "capture_actor" not in r["peak_rss_bytes"]["offline_train"]
     assert r["peak_total_rss_bytes"]["streaming"] >= r["peak_rss_bytes"]["streaming"]["training_worker"]
+
+
+def test_reads_benchmark_compares_the_row_group_layouts_on_one_plan(tmp_path):
+    """Small sizes: both layouts decode the same plan, and a row group per sample reads fewer
+    column-chunk bytes than a row group per forward batch (what a disk or S3 serves); not how fast."""
+    out = tmp_path / "reads.json"
+    bench = Path(__file__).resolve().parent / "benchmarks" / "bench_reads.py"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(bench),
+            "--conversations",
+            "60",
+            "--repeats",
+            "1",
+            "--work",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    (fwd,), (per,) = r["runs"]["per_forward"], r["runs"]["per_sample"]
+    assert fwd["samples"] == per["samples"] == 60 and fwd["batches"] == per["batches"] > 1
+    assert per["row_groups"] == 60 > fwd["row_groups"]
+    assert per["bytes_read"] < fwd["bytes_read"] and r["bytes_read_per_sample_over_per_forward"] < 1
