@@ -24,9 +24,9 @@ JSON; every figure is a ratio against a baseline measured in the same run.
    through host memory (one pinned copy each way, the hop Ray's object store makes) into the
    draft's training step, captured again every epoch. Extract-then-train: the target forward
    over token-budget batches, byte-plane Parquet shards written by ``writers`` threads (as in 1),
-   then each epoch reads every batch's samples back from them (each row group a batch needs, once for
-   that batch, as the training job's ``load_batch`` does; a row group is one forward batch, as
-   extraction writes them), reassembles the bytes and trains.
+   then each epoch reads every batch's samples back from them (a row group per sample, as the
+   store writes them, each read once for its batch as the training job's ``load_batch`` does),
+   reassembles the bytes and trains.
    Measured: wall time per phase, bytes written, peak device memory and peak host RSS per mode,
    and how far apart the two drafts end (the same samples and order; the captures differ only in
    which sequences share a forward, i.e. float summation order).
@@ -109,8 +109,9 @@ def conversations(lengths: list[int], vocab: int) -> list[list[int]]:
 
 
 class PlaneWriters:
-    """``n`` threads, each appending row groups to its own Parquet shard: the exponent plane as
-    one zstd frame per sample, mantissa planes raw (byte_planes_v1's layout)."""
+    """``n`` threads, each appending a batch's samples to its own Parquet shard, a row group per
+    sample: the exponent plane as one zstd frame per sample, mantissa planes raw (byte_planes_v1's
+    layout)."""
 
     def __init__(self, n: int, out_dir: Path, points: list[str], nbytes: int):
         self.q: queue.Queue = queue.Queue(maxsize=2 * n)
@@ -146,15 +147,27 @@ class PlaneWriters:
                             cells = [codec.compress(c, asbytes=True) for c in cells]
                         size += sum(map(len, cells))
                         cols[f"{p}#b{k}"] = pa.array(cells, pa.large_binary())
-                w.write_table(pa.table(cols, schema=self.schema), row_group_size=len(lengths))
+                # a row group per sample, as the store writes them (so a read takes one sample's bytes)
+                w.write_table(pa.table(cols, schema=self.schema), row_group_size=1)
                 with self._lock:
-                    self.index.update({x: (path, row_groups, j) for j, x in enumerate(samples)})
+                    self.index.update({x: (path, row_groups + j, 0) for j, x in enumerate(samples)})
                     self.bytes += size
                     self.busy_s += time.perf_counter() - t0
-                row_groups += 1
+                row_groups += len(samples)
             w.close()
             f.flush()
             os.fsync(f.fileno())
+
+    def put(self, lengths: list[int], planes: dict[str, np.ndarray], samples: list[int]) -> None:
+        """One packed batch, split into one run of consecutive samples per writer, so every writer
+        works on every batch (a large batch given to one writer would leave the others idle)."""
+        n = len(self.threads)
+        offs = np.concatenate([[0], np.cumsum(lengths)])
+        for c in range(n):
+            lo, hi = c * len(lengths) // n, (c + 1) * len(lengths) // n
+            if lo < hi:
+                a, b = offs[lo], offs[hi]
+                self.q.put((lengths[lo:hi], {p: v[:, a:b] for p, v in planes.items()}, samples[lo:hi]))
 
     def close(self) -> None:
         for _ in self.threads:
@@ -223,7 +236,7 @@ def bench_extraction(shape: str, device: torch.device, dtype: torch.dtype, write
         try:
             for b in batches:
                 packed_forward(model, model.model, [seqs[i] for i in b], device)
-                pool.q.put(([lengths[i] for i in b], host_planes(hooks.store, points, device), b))
+                pool.put([lengths[i] for i in b], host_planes(hooks.store, points, device), b)
         finally:
             hooks.remove()
             pool.close()
@@ -489,7 +502,7 @@ def bench_stream(
         try:
             for b in pack_by_tokens(lengths, budget):
                 states = capture(hooks, b)
-                pool.q.put(([lengths[i] for i in b], host_planes(states, points, device), b))
+                pool.put([lengths[i] for i in b], host_planes(states, points, device), b)
         finally:
             hooks.remove()
             pool.close()
