@@ -327,7 +327,4 @@ def test_each_sample_is_a_row_group_so_a_batch_reads_only_its_samples(
     assert np.array_equal(got["final"].reshape(want.shape), want)
     # The footer is parsed once per shard, and what it caches reads the same rows.
     assert len(reader._footers) == len({r.shard for r in batch})
-    assert (
-        load_batch(reader, batch, POINTS[:2], POINTS[2], packed=True)["final"].tobytes()
-        == got["final"].tobytes()
-    )
+    assert load_batch(reader, batch, POINTS[:2], POINTS[2], packed=True)["final"].tobytes() == got["final"].tobytes()
