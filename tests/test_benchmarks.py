@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent / "benchmarks" / "bench_gpu.py"
-BENCH_JOB = Path(__file__).resolve().parent / "benchmarks" / "bench_extract_job.py"
 BLOCK = """
 import sys, importlib.abc
 class Block(importlib.abc.MetaPathFinder):
@@ -21,6 +20,18 @@ sys.argv = sys.argv[1:]
 sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0])
 exec(compile(open(sys.argv[0]).read(), sys.argv[0], "exec"), {"__name__": "__main__", "__file__": sys.argv[0]})
 """
+
+
+def run_benchmark(script: str, *args: str, out: Path, timeout: int = 900) -> dict:
+    """Run ``tests/benchmarks/<script>`` with ``args`` in a fresh process; the JSON it saved to ``out``."""
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / "benchmarks" / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
 
 
 def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
@@ -88,30 +99,12 @@ def test_gpu_benchmark_needs_only_torch_transformers_pyarrow(tmp_path):
 
 def test_extract_job_benchmark_times_the_cli_job_against_a_bare_script(tmp_path):
     """Tiny sizes: what the JSON must hold, not how fast anything is."""
-    out = tmp_path / "job.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH_JOB),
-            "--shape",
-            "tiny",
-            "--conversations",
-            "16",
-            "--sizes",
-            "8",
-            "--repeats",
-            "1",
-            "--work",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_benchmark(
+        "bench_extract_job.py",
+        *("--shape", "tiny", "--conversations", "16", "--sizes", "8", "--repeats", "1"),
+        *("--work", str(tmp_path / "work")),
+        out=tmp_path / "job.json",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
     curve = r["scaling_curve"]
     assert [c["conversations"] for c in curve] == [8, 16] and curve[0]["tokens"] < curve[1]["tokens"]
     assert all(c["job_wall_s"] > 0 and c["bare_wall_s"] > 0 for c in curve)
@@ -127,33 +120,12 @@ def test_extract_job_benchmark_times_the_cli_job_against_a_bare_script(tmp_path)
 def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     """Tiny sizes: the job (worker loading; ray_data loading runs in test_multinode), the plain loop
     and DeepSpeed alone, and the job's windows; not how fast anything is."""
-    out = tmp_path / "train.json"
-    bench = Path(__file__).resolve().parent / "benchmarks" / "bench_train_job.py"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(bench),
-            "--shape",
-            "tiny",
-            "--conversations",
-            "40",
-            "--steps",
-            "8",
-            "--repeats",
-            "1",
-            "--loadings",
-            "worker",
-            "--work",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_benchmark(
+        "bench_train_job.py",
+        *("--shape", "tiny", "--conversations", "40", "--steps", "8", "--repeats", "1", "--loadings", "worker"),
+        *("--work", str(tmp_path / "work")),
+        out=tmp_path / "train.json",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
     (w,) = r["job_windows"]
     assert w["steps"] == 8 and w["tokens_per_s"] > 0 and 0 <= w["data_wait_fraction"] < 1
     assert "job_ray_data_loading_windows" not in r  # not asked for
@@ -169,17 +141,11 @@ def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):
     """Tiny sizes: the three runs finish, the streaming run stores only its held-out samples (the
     cached one also its first epoch), and every process role's memory is sampled; not how fast
     anything is."""
-    out = tmp_path / "stream.json"
-    bench = Path(__file__).resolve().parent / "benchmarks" / "bench_stream.py"
-    run = subprocess.run(
-        [sys.executable, str(bench), "--shape", "tiny", "--conversations", "40", "--repeats", "1"]
-        + ["--work", str(tmp_path / "work"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_benchmark(
+        "bench_stream.py",
+        *("--shape", "tiny", "--conversations", "40", "--repeats", "1", "--work", str(tmp_path / "work")),
+        out=tmp_path / "stream.json",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
     assert r["wall_s"]["offline"]["min"] > 0 and r["wall_s"]["streaming"]["min"] > 0
     assert 0 < r["data_bytes"]["streaming"] < r["data_bytes"]["offline"] / 2  # 8 probe samples of 40
     assert r["data_bytes"]["streaming"] < r["data_bytes"]["streaming_cached"]  # + the first epoch's batches
@@ -192,27 +158,16 @@ def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):
 def test_reads_benchmark_compares_the_row_group_layouts_on_one_plan(tmp_path):
     """Small sizes: both layouts decode the same plan, and a row group per sample reads fewer
     column-chunk bytes than a row group per forward batch (what a disk or S3 serves); not how fast."""
-    out = tmp_path / "reads.json"
-    bench = Path(__file__).resolve().parent / "benchmarks" / "bench_reads.py"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(bench),
-            "--conversations",
-            "60",
-            "--repeats",
-            "1",
-            "--work",
-            str(tmp_path),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    r = run_benchmark(
+        "bench_reads.py",
+        "--conversations",
+        "60",
+        "--repeats",
+        "1",
+        "--work",
+        str(tmp_path),
+        out=tmp_path / "reads.json",
     )
-    assert run.returncode == 0, run.stderr[-3000:]
-    r = json.loads(out.read_text())
     (fwd,), (per,) = r["runs"]["per_forward"], r["runs"]["per_sample"]
     assert fwd["samples"] == per["samples"] == 60 and fwd["batches"] == per["batches"] > 1
     assert per["row_groups"] == 60 > fwd["row_groups"]
