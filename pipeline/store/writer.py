@@ -79,6 +79,18 @@ class _HashingFile:
             self.closed = True
 
 
+def parquet_options(schema: pa.Schema) -> dict:
+    """How a shard's columns are written: bookkeeping zstd with statistics, byte planes as they are."""
+    return {
+        "compression": {f.name: ("zstd" if f in BOOKKEEPING_FIELDS else "none") for f in schema},
+        "use_dictionary": False,
+        "write_statistics": [f.name for f in BOOKKEEPING_FIELDS if not pa.types.is_list(f.type)],
+        # Cells are whole [T, H] planes (MBs each): with the default 1 MB page target Parquet
+        # re-buffers every value; large pages make the write ~5x cheaper.
+        "data_page_size": 64 << 20,
+    }
+
+
 class ShardWriter:
     def __init__(
         self,
@@ -96,16 +108,7 @@ class ShardWriter:
         self._sink = _HashingFile(self._tmp)
         try:
             with full_disk_errors(path):
-                self._writer = pq.ParquetWriter(
-                    pa.PythonFile(self._sink, mode="w"),
-                    schema,
-                    compression={f.name: ("zstd" if f in BOOKKEEPING_FIELDS else "none") for f in schema},
-                    use_dictionary=False,
-                    write_statistics=[f.name for f in BOOKKEEPING_FIELDS if not pa.types.is_list(f.type)],
-                    # Cells are whole [T, H] planes (MBs each): with the default 1 MB page target
-                    # Parquet re-buffers every value; large pages make the write ~5x cheaper.
-                    data_page_size=64 << 20,
-                )
+                self._writer = pq.ParquetWriter(pa.PythonFile(self._sink, mode="w"), schema, **parquet_options(schema))
         except BaseException:  # nothing was written that anyone can use: no temporary file stays
             self._sink.discard()
             os.remove(self._tmp)

@@ -30,7 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,9 +41,9 @@ from bench_extract import build_target  # noqa: E402
 from bench_train_job import dataset  # noqa: E402
 
 from pipeline.store.reader import DatasetReader, index_samples  # noqa: E402
+from pipeline.store.writer import parquet_options  # noqa: E402
 from pipeline.train.data import load_batch  # noqa: E402
 from pipeline.train.plan import plan_epoch  # noqa: E402
-from schemas.dataset import BOOKKEEPING_FIELDS  # noqa: E402
 
 
 def rewrite(src: Path, dst: Path, forward_tokens: int | None) -> float:
@@ -65,14 +64,7 @@ def rewrite(src: Path, dst: Path, forward_tokens: int | None) -> float:
         out = dst / f.relative_to(src)
         t0 = time.perf_counter()
         with open(out, "wb") as sink:
-            w = pq.ParquetWriter(  # the store's writer settings (pipeline.store.writer)
-                sink,
-                table.schema,
-                compression={c.name: ("zstd" if c in BOOKKEEPING_FIELDS else "none") for c in table.schema},
-                use_dictionary=False,
-                write_statistics=[c.name for c in BOOKKEEPING_FIELDS if not pa.types.is_list(c.type)],
-                data_page_size=64 << 20,
-            )
+            w = pq.ParquetWriter(sink, table.schema, **parquet_options(table.schema))  # the store's settings
             for s, n in groups:
                 w.write_table(table.slice(s, n), row_group_size=n)
             w.close()
