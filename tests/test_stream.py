@@ -377,10 +377,13 @@ def test_a_cached_stream_captures_its_first_epoch_once_and_trains_the_offline_dr
         as_dataset.check_file_provenance(p.relative_to(cache).as_posix())  # ... and their provenance is its
 
     quick = dict(max_steps=epoch0 + 2, heldout_acceptance={"prompts": 0}, export={"engines": ["vllm"]})
+    torn = cache / "epoch-0" / ".step-0000000-rank-000.parquet.tmp-dead"  # a capture actor killed mid-write
+    torn.write_bytes(b"PAR1 half a shard")
     second = run_train(
         TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "b", data=data, **quick)), progress=False
     )
     assert second["metrics"]["stream_batches"] == {"captured": 0, "from_cache": epoch0 + 2}
+    assert not torn.exists() and len(list(cache.rglob("*.parquet"))) == epoch0  # removed; the shards untouched
     with pytest.raises(ConfigError, match=r"data.cache .*cache holds the batches of another stream"):
         run_train(TrainConfig.model_validate(train_raw(tiny_target, tmp_path / "c", data=data, seed=7, **quick)))
     assert not list((tmp_path / "c").glob("checkpoints/*"))

@@ -9,7 +9,8 @@ file's provenance. A batch is read from the cache only when every one of its sam
 there, else it is captured again: the values are the same either way (capture is deterministic
 and rounded to the stored dtype), so a missing shard costs time, never correctness.
 ``stream_cache.json`` names the stream the shards belong to -- its extraction, columns and
-first-epoch plan -- and a cache of another stream is refused, never mixed in.
+first-epoch plan -- and a cache of another stream is refused, never mixed in. A cache serves one
+run at a time: the run that claims it removes what a killed writer left unpublished.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, resolve
+from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
 from pipeline.store.reader import DatasetReader, SampleRef
 from pipeline.store.writer import SampleMeta, ShardWriter
 from pipeline.train.data import load_batch
@@ -33,9 +34,12 @@ log = logging.getLogger(__name__)
 CACHE_FILE = "stream_cache.json"
 
 
+EPOCH0 = "epoch-0"
+
+
 def shard_path(step: int, rank: int) -> str:
     """The first-epoch batch of ``step`` on worker ``rank``, relative to the cache's root."""
-    return f"epoch-0/step-{step:07d}-rank-{rank:03d}.parquet"
+    return f"{EPOCH0}/step-{step:07d}-rank-{rank:03d}.parquet"
 
 
 @dataclass(frozen=True)
@@ -82,10 +86,20 @@ def claim(uri: str, s3: S3Config, manifest: DatasetManifest, epoch0: list[list[l
                 "cache or name another data.cache"
             )
         log.info("stream cache %s: reusing the shards of this stream already there", uri)
+        _remove_unpublished(fs, join(root, EPOCH0))
     else:
         atomic_write_bytes(fs, path, json.dumps(record, indent=1).encode())
         log.info("stream cache %s: the first epoch's %d steps will be kept", uri, len(epoch0))
     return CacheSpec(uri, s3.model_dump(mode="json"), manifest.model_dump_json(), len(epoch0))
+
+
+def _remove_unpublished(fs, epoch0: str) -> None:
+    """A capture actor killed while writing a shard leaves its ``.step-*.parquet.tmp-*`` beside the
+    published ones; the shard itself is captured again when its batch comes round."""
+    for path in list_files(fs, epoch0):
+        if path.rsplit("/", 1)[-1].startswith("."):
+            log.info("removing %s: a cache shard that was never published", path)
+            fs.delete_file(path)
 
 
 def _describe(r: dict) -> str:
