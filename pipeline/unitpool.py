@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from pipeline.cluster import stalled
 from pipeline.placement import Placement, place_actor
-from pipeline.store.fs import join, list_files, read_bytes
+from pipeline.store.fs import join, read_bytes, remove_unpublished
 from schemas.extract import RayConfig
 
 log = logging.getLogger(__name__)
@@ -30,13 +30,8 @@ def committed(fs, root: str, units_dir: str, record_cls, error: type[Exception],
     """The commit records (``unit-NNNNN.json`` of ``record_cls``) in ``units_dir``, by unit. A
     writer killed while publishing leaves a ``.unit-NNNNN.json.tmp-*`` sibling: removed here."""
     out = {}
-    for path in list_files(fs, join(root, units_dir)):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith("."):
-            log.info("removing %s: a commit record that was never published", path)
-            fs.delete_file(path)
-            continue
-        if not name.endswith(".json"):
+    for path in remove_unpublished(fs, join(root, units_dir), "a commit record"):
+        if not path.endswith(".json"):
             continue  # a unit's own output, next to its record
         try:
             rec = record_cls.model_validate_json(read_bytes(fs, path))

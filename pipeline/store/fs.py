@@ -5,6 +5,7 @@ local write every store uses. S3 access is resolved in :mod:`pipeline.store.s3`.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import posixpath
 import uuid
@@ -16,6 +17,8 @@ import pyarrow.fs as pafs
 
 from pipeline.store.s3 import StoreUnavailable, arrow_errors, pyarrow_s3
 from schemas.config import S3Config
+
+log = logging.getLogger(__name__)
 
 
 def is_s3(uri: str) -> bool:
@@ -74,12 +77,32 @@ def full_disk_errors(path: str | os.PathLike) -> Iterator[None]:
         ) from None
 
 
+def temporary_path(path: str, directory: str | None = None) -> str:
+    """Where ``path`` is written before it is published: a hidden, unique sibling (or a name in
+    ``directory``), so a listing tells it from a published file by its name alone."""
+    where = os.path.dirname(path) if directory is None else directory
+    return os.path.join(where, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def remove_unpublished(fs: pafs.FileSystem, directory: str, what: str) -> list[str]:
+    """Delete the temporaries (``temporary_path``) a writer killed mid-write left in ``directory``,
+    and return the published files. Only for a directory no live writer shares."""
+    kept = []
+    for path in list_files(fs, directory):
+        if path.rsplit("/", 1)[-1].startswith("."):
+            log.info("removing %s: %s that was never published", path, what)
+            fs.delete_file(path)
+        else:
+            kept.append(path)
+    return kept
+
+
 def atomic_write_local(path: str | os.PathLike, data: bytes) -> None:
     """A temporary sibling, fsync, rename: a reader or a crash sees the old file or the new one."""
     path = os.fspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = temporary_path(path)
     try:
         with full_disk_errors(path), open(tmp, "wb") as f:
             f.write(data)

@@ -11,7 +11,6 @@ import hashlib
 import os
 import tempfile
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from pipeline.store.encoding import compress_plane
-from pipeline.store.fs import full_disk_errors, publish_local_file
+from pipeline.store.fs import full_disk_errors, publish_local_file, temporary_path
 from schemas.dataset import BOOKKEEPING_FIELDS, META_CODEC, plane_column, provenances_from_schema
 from schemas.provenance import DTYPE_BYTES
 
@@ -104,7 +103,7 @@ class ShardWriter:
         if tmp_dir is None:
             tmp_dir = os.path.dirname(path) if isinstance(fs, pafs.LocalFileSystem) else tempfile.gettempdir()
         os.makedirs(tmp_dir, exist_ok=True)
-        self._tmp = os.path.join(tmp_dir, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+        self._tmp = temporary_path(path, tmp_dir)
         self._sink = _HashingFile(self._tmp)
         try:
             with full_disk_errors(path):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.store.fs import atomic_write_bytes, exists, join, list_files, read_bytes, resolve
+from pipeline.store.fs import atomic_write_bytes, exists, join, read_bytes, remove_unpublished, resolve
 from pipeline.store.reader import DatasetReader, SampleRef
 from pipeline.store.writer import SampleMeta, ShardWriter
 from pipeline.train.data import load_batch
@@ -32,9 +32,7 @@ from schemas.manifest import DatasetManifest
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "stream_cache.json"
-
-
-EPOCH0 = "epoch-0"
+EPOCH0 = "epoch-0"  # the first epoch's shards, the only ones kept
 
 
 def shard_path(step: int, rank: int) -> str:
@@ -86,20 +84,11 @@ def claim(uri: str, s3: S3Config, manifest: DatasetManifest, epoch0: list[list[l
                 "cache or name another data.cache"
             )
         log.info("stream cache %s: reusing the shards of this stream already there", uri)
-        _remove_unpublished(fs, join(root, EPOCH0))
+        remove_unpublished(fs, join(root, EPOCH0), "a cache shard")  # a capture actor killed mid-write
     else:
         atomic_write_bytes(fs, path, json.dumps(record, indent=1).encode())
         log.info("stream cache %s: the first epoch's %d steps will be kept", uri, len(epoch0))
     return CacheSpec(uri, s3.model_dump(mode="json"), manifest.model_dump_json(), len(epoch0))
-
-
-def _remove_unpublished(fs, epoch0: str) -> None:
-    """A capture actor killed while writing a shard leaves its ``.step-*.parquet.tmp-*`` beside the
-    published ones; the shard itself is captured again when its batch comes round."""
-    for path in list_files(fs, epoch0):
-        if path.rsplit("/", 1)[-1].startswith("."):
-            log.info("removing %s: a cache shard that was never published", path)
-            fs.delete_file(path)
 
 
 def _describe(r: dict) -> str:
