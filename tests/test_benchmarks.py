@@ -123,10 +123,13 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     r = run_benchmark(
         "bench_train_job.py",
         *("--shape", "tiny", "--conversations", "40", "--steps", "8", "--repeats", "1", "--loadings", "worker"),
-        *("--work", str(tmp_path / "work")),
+        *("--work", str(tmp_path / "work"), "--profile-cpu"),
         out=tmp_path / "train.json",
     )
     (w,) = r["job_windows"]
+    (p,) = r["plain_process_runs"]
+    for run in (w, p):  # tiny steps may be too short for a busy interval: the profile's shape only
+        assert set(run["cpu_while_training"]) >= {"seconds", "cores"}
     assert w["steps"] == 8 and w["tokens_per_s"] > 0 and 0 <= w["data_wait_fraction"] < 1
     assert "job_ray_data_loading_windows" not in r  # not asked for
     assert r["plain_tokens_per_s"]["min"] > 0 and r["deepspeed_tokens_per_s"]["min"] > 0
@@ -172,3 +175,21 @@ def test_reads_benchmark_compares_the_row_group_layouts_on_one_plan(tmp_path):
     assert fwd["samples"] == per["samples"] == 60 and fwd["batches"] == per["batches"] > 1
     assert per["row_groups"] == 60 > fwd["row_groups"]
     assert per["bytes_read"] < fwd["bytes_read"] and r["bytes_read_per_sample_over_per_forward"] < 1
+
+
+def test_cpu_sampler_attributes_a_busy_process_and_its_threads(tmp_path):
+    """The profile bench_train_job.py --profile-cpu records: a child spinning one core for 3 s
+    is seen using about one core, on its main thread, and no more cores are used than the machine has."""
+    sys.path.insert(0, str(BENCH.parent))
+    from _cpu import CpuSampler
+
+    spin = tmp_path / "spin.py"
+    spin.write_text("import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 3: pass\n")
+    roles = {"spin.py": "spinner"}
+    with CpuSampler(interval=0.5, threads_of="spin.py") as cpu:
+        subprocess.run([sys.executable, str(spin)], check=True)
+    busy = cpu.busy_phase(roles, "spinner", min_cores=0.5, skip=0.0)
+    assert 1.5 <= busy["seconds"] <= 4.0, busy
+    assert 0.7 <= busy["cores"]["spinner"] <= 1.1, busy
+    assert busy["cores"]["idle"] > -0.1, busy  # nothing counted twice (a renamed kernel thread once was)
+    assert busy["threads"]["main"] >= 0.7, busy

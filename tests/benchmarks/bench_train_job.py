@@ -19,6 +19,8 @@ D. plain process: B as a whole script in a fresh process (imports, verifying and
    sides); the job's fixed cost beyond D's is what Strata adds to every run.
 
 Runs alternate (B, C, D, A, A with ray_data) per repeat; min/median/max and the machine's load are saved.
+With ``--profile-cpu``, D and A also record who used the machine's cores while their trainer computed
+(every process from /proc, the trainer's threads by name): the job's own process, Ray's daemons, idle.
 
     python tests/benchmarks/bench_train_job.py
     python tests/benchmarks/bench_train_job.py --shape tiny --conversations 40 --repeats 1   # smoke
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _cpu import CpuSampler  # noqa: E402
 from _results import save_result  # noqa: E402
 from bench_extract import build_target  # noqa: E402
 from bench_extract_job import run_cli, run_script, spread  # noqa: E402
@@ -94,8 +97,22 @@ def train_config(target: Path, ds: Path, out: Path, cpus: int, steps: int, loadi
     }
 
 
-def run_job(cfg: dict, work: Path) -> dict:
-    wall = run_cli("train", cfg, work)
+# What the CPU profile calls each process of a run (the rest by its Ray role, or "other").
+ROLES = {"_WorkerProcess": "job: training worker", "pipeline.cli": "job: driver", "--plain-process": "plain script"}
+
+
+def profiled(run, trainer: str | None):
+    """``run()``, and with a ``trainer`` role the cores each process used while that process computed
+    (the intervals it used >= 1.2 cores, the first fifth left out as warm-up), else None."""
+    if not trainer:
+        return run(), None
+    with CpuSampler(interval=1.0, threads_of=next(k for k, v in ROLES.items() if v == trainer)) as cpu:
+        out = run()
+    return out, cpu.busy_phase(ROLES, trainer, min_cores=1.2)
+
+
+def run_job(cfg: dict, work: Path, profile: bool = False) -> dict:
+    wall, cpu = profiled(lambda: run_cli("train", cfg, work), profile and ROLES["_WorkerProcess"])
     windows = [json.loads(x) for x in (Path(cfg["output"]) / "metrics.jsonl").read_text().splitlines()]
     steady = windows[1:] or windows
     return {
@@ -106,6 +123,7 @@ def run_job(cfg: dict, work: Path) -> dict:
         "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
         "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
         "compute_fraction": statistics.median(w["compute_fraction"] for w in steady),
+        **({"cpu_while_training": cpu} if cpu else {}),
     }
 
 
@@ -211,11 +229,13 @@ class InProcess:
         return (self.tokens - self.batches[0].tokens) / (time.perf_counter() - t0)
 
 
-def plain_process(cfg: dict, work: Path, threads: int) -> dict:
+def plain_process(cfg: dict, work: Path, threads: int, profile: bool = False) -> dict:
     """D: the plain loop as a script of its own; its wall seconds and steady tokens/s."""
     path = work / "plain-process.json"
     path.write_text(json.dumps(cfg))
-    return run_script([__file__, "--plain-process", str(path), "--threads", str(threads)], "the plain process", 3600)
+    argv = [__file__, "--plain-process", str(path), "--threads", str(threads)]
+    out, cpu = profiled(lambda: run_script(argv, "the plain process", 3600), profile and ROLES["--plain-process"])
+    return {**out, **({"cpu_while_training": cpu} if cpu else {})}
 
 
 def main() -> None:
@@ -230,6 +250,11 @@ def main() -> None:
         "--loadings",
         default="worker,ray_data",
         help="the job's data loadings to time, comma-separated (worker, ray_data)",
+    )
+    ap.add_argument(
+        "--profile-cpu",
+        action="store_true",
+        help="sample every process's CPU (/proc, 1 s) during the plain script and the job: who used the cores",
     )
     ap.add_argument("--plain-process", default=None, help=argparse.SUPPRESS)  # D's own process: a config file
     ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
@@ -268,11 +293,11 @@ def main() -> None:
     for r in range(a.repeats):  # alternated, so drift in the machine hits all alike
         plain.append(local.plain())
         ds_alone.append(local.deepspeed())
-        processes.append(plain_process(cfg(f"p{r}"), work, threads))
+        processes.append(plain_process(cfg(f"p{r}"), work, threads, a.profile_cpu))
         if "worker" in loadings:
-            jobs.append(run_job(cfg(f"r{r}"), work))
+            jobs.append(run_job(cfg(f"r{r}"), work, a.profile_cpu))
         if "ray_data" in loadings:
-            ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work))
+            ray_data_jobs.append(run_job(cfg(f"rd{r}", "ray_data"), work, a.profile_cpu))
         print(
             f"repeat {r}: plain {plain[-1]:.0f} tok/s, deepspeed {ds_alone[-1]:.0f}, "
             f"plain process {processes[-1]['wall_s']:.1f} s"
@@ -306,6 +331,7 @@ def main() -> None:
         "deepspeed_tokens_per_s": spread(ds_alone),
         "plain_process_wall_s": spread([p["wall_s"] for p in processes]),
         "plain_process_fixed_s": spread([p["fixed_s"] for p in processes]),
+        "plain_process_runs": processes,
         **{f"{name}_fixed_s": spread([j["fixed_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_tokens_per_s": spread([j["tokens_per_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_wall_s": spread([j["wall_s"] for j in runs]) for name, runs in timed.items()},
