@@ -339,6 +339,12 @@ def main() -> None:
         "ratios": {
             **{f"{name}_over_plain": med(j["tokens_per_s"] for j in runs) / med(plain) for name, runs in timed.items()},
             "deepspeed_over_plain": med(ds_alone) / med(plain),
+            # the same steady windows of a fresh process (D): no warm heap from earlier repeats, as the job has none
+            **{
+                f"{name}_over_plain_process": med(j["tokens_per_s"] for j in runs)
+                / med(p["tokens_per_s"] for p in processes)
+                for name, runs in timed.items()
+            },
             **{
                 f"{name}_fixed_beyond_plain_process_s": med(j["fixed_s"] for j in runs) - plain_fixed
                 for name, runs in timed.items()
