@@ -127,8 +127,8 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
         out=tmp_path / "train.json",
     )
     (w,) = r["job_windows"]
-    (p,) = r["plain_process_runs"]
-    for run in (w, p):  # tiny steps may be too short for a busy interval: the profile's shape only
+    (plain_run,) = r["plain_process_runs"]
+    for run in (w, plain_run):  # tiny steps may be too short for a busy interval: the profile's shape only
         assert set(run["cpu_while_training"]) >= {"seconds", "cores"}
     assert w["steps"] == 8 and w["tokens_per_s"] > 0 and 0 <= w["data_wait_fraction"] < 1
     assert "job_ray_data_loading_windows" not in r  # not asked for

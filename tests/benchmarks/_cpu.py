@@ -17,16 +17,22 @@ from pathlib import Path
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(path: str) -> tuple[str, int, int]:
+    """(name, user + system ticks, start time) from a /proc stat file (a process's or a thread's)."""
+    stat = Path(path).read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[11]) + int(fields[12]), int(fields[19])
+
+
 def _ticks(pid: str) -> tuple[str, int, int] | None:
     """(command line, user + system ticks, start time) of one process, None if it is gone. The
     start time tells a reused pid from the same process (kernel threads rename themselves)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        name, ticks, start = _stat(f"/proc/{pid}/stat")
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return cmd or stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[11]) + int(fields[12]), int(fields[19])
+    return cmd or name, ticks, start
 
 
 def snapshot() -> dict[int, tuple[str, int, int]]:
@@ -46,12 +52,11 @@ def threads(pid: int) -> dict[str, int]:
         return out
     for tid in tids:
         try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            name, ticks, _ = _stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:
             continue
-        name = "main" if int(tid) == pid else stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+        name = "main" if int(tid) == pid else name
+        out[name] = out.get(name, 0) + ticks
     return out
 
 

@@ -102,17 +102,17 @@ ROLES = {"_WorkerProcess": "job: training worker", "pipeline.cli": "job: driver"
 
 
 def profiled(run, trainer: str | None):
-    """``run()``, and with a ``trainer`` role the cores each process used while that process computed
-    (the intervals it used >= 1.2 cores, the first fifth left out as warm-up), else None."""
+    """``run()``, and with ``trainer`` (a ROLES marker) the cores each process used while the trainer
+    computed (the intervals it used >= 1.2 cores, the first fifth left out as warm-up), else None."""
     if not trainer:
         return run(), None
-    with CpuSampler(interval=1.0, threads_of=next(k for k, v in ROLES.items() if v == trainer)) as cpu:
+    with CpuSampler(interval=1.0, threads_of=trainer) as cpu:
         out = run()
-    return out, cpu.busy_phase(ROLES, trainer, min_cores=1.2)
+    return out, cpu.busy_phase(ROLES, ROLES[trainer], min_cores=1.2)
 
 
 def run_job(cfg: dict, work: Path, profile: bool = False) -> dict:
-    wall, cpu = profiled(lambda: run_cli("train", cfg, work), profile and ROLES["_WorkerProcess"])
+    wall, cpu = profiled(lambda: run_cli("train", cfg, work), profile and "_WorkerProcess")
     windows = [json.loads(x) for x in (Path(cfg["output"]) / "metrics.jsonl").read_text().splitlines()]
     steady = windows[1:] or windows
     return {
@@ -234,7 +234,7 @@ def plain_process(cfg: dict, work: Path, threads: int, profile: bool = False) ->
     path = work / "plain-process.json"
     path.write_text(json.dumps(cfg))
     argv = [__file__, "--plain-process", str(path), "--threads", str(threads)]
-    out, cpu = profiled(lambda: run_script(argv, "the plain process", 3600), profile and ROLES["--plain-process"])
+    out, cpu = profiled(lambda: run_script(argv, "the plain process", 3600), profile and "--plain-process")
     return {**out, **({"cpu_while_training": cpu} if cpu else {})}
 
 
