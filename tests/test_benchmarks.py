@@ -146,17 +146,18 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
 
 
 def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):
-    """Tiny sizes: the three runs finish, the streaming run stores only its held-out samples (the
-    cached one also its first epoch), and every process role's memory is sampled; not how fast
-    anything is."""
+    """Tiny sizes: both runs finish, the streaming run stores only its held-out samples, and every
+    process role's memory is sampled; not how fast anything is. (The cached run C is left out here:
+    what a cache stores and reads is test_stream's.)"""
     r = run_benchmark(
         "bench_stream.py",
         *("--shape", "tiny", "--conversations", "40", "--repeats", "1", "--work", str(tmp_path / "work")),
+        "--no-cached",
         out=tmp_path / "stream.json",
     )
+    assert set(r["wall_s"]) == {"offline", "streaming"}
     assert r["wall_s"]["offline"]["min"] > 0 and r["wall_s"]["streaming"]["min"] > 0
     assert 0 < r["data_bytes"]["streaming"] < r["data_bytes"]["offline"] / 2  # 8 probe samples of 40
-    assert r["data_bytes"]["streaming"] < r["data_bytes"]["streaming_cached"]  # + the first epoch's batches
     assert set(r["peak_rss_bytes"]["streaming"]) >= {"driver", "capture_actor", "training_worker"}
     assert set(r["peak_rss_bytes"]["offline_extract"]) >= {"driver", "capture_actor"}
     assert "capture_actor" not in r["peak_rss_bytes"]["offline_train"]
