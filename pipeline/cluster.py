@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 from pipeline.errors import UnusableInput
@@ -42,7 +43,8 @@ def init_ray(address: str | None = None, dashboard: bool = True) -> None:
     """``ray job submit`` sets RAY_ADDRESS; plain ``python jobs/x.py`` starts a local Ray.
 
     ``dashboard``: a local Ray starts its dashboard (1.7 s), which serves the state API Ray
-    Train's cleanup polls; extraction alone does without. The first call in a process decides.
+    Train's cleanup polls; extraction alone does without, and then starts lean
+    (:func:`_lean_start`). The first call in a process decides.
     """
     global _started_locally
     # No telemetry: clusters here reach no outside network, and Ray Data's usage
@@ -59,16 +61,60 @@ def init_ray(address: str | None = None, dashboard: bool = True) -> None:
         ray.init(address=addr, log_to_driver=True)
     else:
         _started_locally = True
-        log.info("starting a local Ray runtime (loopback only, token auth)")
+        log.info("starting a local Ray runtime (loopback only, token auth%s)", "" if dashboard else ", lean")
         _loopback_only()
-        ray.init(
-            address="local",
-            include_dashboard=dashboard,
-            dashboard_host="127.0.0.1",
-            log_to_driver=True,
-            _node_ip_address="127.0.0.1",
-        )
+        with _lean_start(enabled=not dashboard):
+            ray.init(
+                address="local",
+                include_dashboard=dashboard,
+                dashboard_host="127.0.0.1",
+                log_to_driver=True,
+                _node_ip_address="127.0.0.1",
+            )
         atexit.register(_stop_local_ray)  # runs before Ray's own exit hook (registered at import)
+
+
+@contextmanager
+def _lean_start(enabled: bool) -> Iterator[None]:
+    """Start a local runtime without the Python processes a job on it never uses.
+
+    Without the dashboard, Ray still starts its API server (with only its usage-stats module;
+    usage stats are off) and the autoscaler monitor (a local runtime gains no nodes): about
+    1.8 CPU-seconds of imports on two cores, in front of the raylet's start. And the raylet
+    waits for a full dashboard agent, whose modules then sample every process for metrics
+    nobody scrapes here. Here the first two are not started and the agent runs in the mode Ray
+    uses when its dashboard packages are missing (``--minimal``: no modules). Logs still reach
+    the driver (the log monitor stays). ``bench_extract_job.py`` times Ray's start. Ray's
+    private functions are replaced only while ``ray.init`` runs; if they changed, Ray starts
+    as it always did.
+    """
+    if not enabled:
+        yield
+        return
+    try:
+        from ray._private import node, utils
+
+        saved = [
+            (node.Node, "start_api_server", node.Node.start_api_server),
+            (node.Node, "start_monitor", node.Node.start_monitor),
+            (utils, "get_dashboard_dependency_error", utils.get_dashboard_dependency_error),
+        ]
+    except (ImportError, AttributeError) as e:
+        log.debug("Ray's start-up changed (%s): starting the full local runtime", e)
+        yield
+        return
+
+    def no_api_server(self, **_) -> None:
+        self._webui_url = None  # what Ray records when its API server cannot start
+
+    node.Node.start_api_server = no_api_server
+    node.Node.start_monitor = lambda self: None
+    utils.get_dashboard_dependency_error = lambda: ImportError("a lean local runtime: no dashboard")
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def _stop_local_ray() -> None:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.registry.registry import Registry
 from pipeline.store.objects import LocalStore
 from pipeline.store.reader import DatasetReader
@@ -113,34 +115,47 @@ def test_extract_train_validate_promote_through_ray_job_submit(ray_cluster, tiny
 
 
 LISTENERS = r"""
-import json, os, psutil
+import json, os, sys, psutil
 from pipeline.cluster import init_ray
-init_ray()
+init_ray(dashboard=sys.argv[1] == "dashboard")
 import ray
 from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+@ray.remote(num_cpus=1)
+class Speaker:
+    def say(self, word):
+        print(word, flush=True)
+        return os.getpid()
+
+ray.get(Speaker.remote().say.remote("HELLO-FROM-THE-ACTOR"))
 me = psutil.Process()
 procs = [me, *me.children(recursive=True)]
-found = []
+found, commands = [], []
 for p in procs:
     try:
+        commands.append(" ".join(p.cmdline()))
         for c in p.net_connections(kind="tcp"):
             if c.status == psutil.CONN_LISTEN:
                 found.append([p.name(), c.laddr.ip, c.laddr.port])
     except psutil.Error:
         pass
-print("LISTEN " + json.dumps({"listen": found, "node_ip": ray.util.get_node_ip_address(),
-                              "token_auth": is_token_auth_enabled()}))
+print("LISTEN " + json.dumps({"listen": found, "node_ip": ray.util.get_node_ip_address(), "commands": commands,
+                              "token_auth": is_token_auth_enabled()}), flush=True)
+import time; time.sleep(1.5)  # the log monitor forwards the actor's output about once a second
 ray.shutdown()
 """
 
 
-def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_path):
+@pytest.mark.parametrize("mode", ["dashboard", "lean"])
+def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_path, mode):
     """What `strata extract`/`train` start when no cluster is given, in a clean environment (none
-    of the variables the other tests set)."""
+    of the variables the other tests set). Without the dashboard (extraction, one-worker
+    training) the runtime starts lean: no API server, no autoscaler monitor, a minimal agent;
+    actors still run and their output still reaches the job's console."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_USAGE_STATS_ENABLED="0")
     out = subprocess.run(
-        [sys.executable, "-c", LISTENERS], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", LISTENERS, mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     line = next((x for x in out.stdout.splitlines() if x.startswith("LISTEN ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-3000:]
@@ -150,3 +165,15 @@ def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_
     outside = [x for x in got["listen"] if x[1] not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")]
     assert not outside, f"listening beyond loopback: {outside}"
     assert got["node_ip"] == "127.0.0.1" and got["token_auth"] is True
+    started = {
+        "api server": any("dashboard/dashboard.py" in c for c in got["commands"]),
+        "monitor": any("autoscaler/_private/monitor.py" in c for c in got["commands"]),
+        "minimal agent": any("dashboard/agent.py" in c and "--minimal" in c for c in got["commands"]),
+        "log monitor": any("_private/log_monitor.py" in c for c in got["commands"]),
+    }
+    lean = mode == "lean"
+    assert started == {"api server": not lean, "monitor": not lean, "minimal agent": lean, "log monitor": True}, (
+        started,
+        got["commands"],
+    )
+    assert "HELLO-FROM-THE-ACTOR" in out.stdout + out.stderr, out.stderr[-3000:]
