@@ -438,3 +438,25 @@ def test_a_job_that_stops_progressing_fails_instead_of_waiting_forever(tiny_targ
     assert run.returncode == 1, run.stderr[-3000:]
     assert "nothing finished in 0.5 s" in run.stderr and "ray.stall_timeout_s" in run.stderr, run.stderr[-3000:]
     assert not (tmp_path / "ds" / "manifest.json").exists()
+
+
+def test_the_worker_modules_imports_count_in_the_engine_start_not_in_ray(tiny_target, source, tmp_path):
+    """The capture actor imports torch with the worker module: a job's breakdown counts those
+    seconds in the engine's start (the bare script pays them too), not in Ray's share."""
+    from pipeline.extract.job import build_schema
+    from pipeline.extract.worker import CaptureWorker
+    from pipeline.identity import target_identity
+    from schemas.config import load_config
+    from schemas.manifest import ShardRecord
+
+    src, _ = source
+    cfg = load_config(write_config(tmp_path, tiny_target, src, tmp_path / "ds"), ExtractConfig)
+    schema, _ = build_schema(cfg, target_identity(cfg.target.path, cfg.target.name, cfg.target.revision))
+    rows = Path(src).read_bytes().splitlines()[:4]
+    worker = CaptureWorker(cfg.model_dump_json(), schema, in_ray=False, imports_s=7.0)
+    try:
+        first = ShardRecord.model_validate_json(worker.process(0, 0, rows))
+        second = ShardRecord.model_validate_json(worker.process(1, 4, rows))
+    finally:
+        worker.close()
+    assert first.seconds["engine_start"] >= 7.0 and "engine_start" not in second.seconds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -17,9 +18,10 @@ class CaptureActor:
     process does without."""
 
     def __init__(self, cfg_json: str, schema: pa.Schema):
+        t0 = time.perf_counter()
         from pipeline.extract.worker import CaptureWorker
 
-        self.worker = CaptureWorker(cfg_json, schema, in_ray=True)
+        self.worker = CaptureWorker(cfg_json, schema, in_ray=True, imports_s=time.perf_counter() - t0)
 
     def process(self, unit: int, start: int, rows: list[bytes], keep: list[int] | None = None) -> str:
         return self.worker.process(unit, start, rows, keep)
@@ -40,9 +42,11 @@ class CapturePool:
         if use_ray:
             self.pool = RayUnitPool(actor_cls, (cfg.model_dump_json(), schema), cfg.ray, units, "capture actor")
         else:
+            t0 = time.perf_counter()
             from pipeline.extract.worker import CaptureWorker
 
-            self.pool = LocalUnitPool(CaptureWorker(cfg.model_dump_json(), schema, in_ray=False))
+            worker = CaptureWorker(cfg.model_dump_json(), schema, in_ray=False, imports_s=time.perf_counter() - t0)
+            self.pool = LocalUnitPool(worker)
 
     def run(self, payload: list[dict], progress: bool) -> Iterator[ShardRecord]:
         seen = {"tokens": 0}

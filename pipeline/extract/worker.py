@@ -237,8 +237,11 @@ class CaptureWorker:
     processes cost seconds of start-up and imports each, on the cores the forward needs.
     """
 
-    def __init__(self, cfg_json: str, schema: pa.Schema, in_ray: bool = True):
+    def __init__(self, cfg_json: str, schema: pa.Schema, in_ray: bool = True, imports_s: float = 0.0):
+        """``imports_s``: the seconds importing this module took (torch among them), counted in
+        the engine's start so that a job's breakdown does not charge them to Ray."""
         self.cfg = ExtractConfig.model_validate_json(cfg_json)
+        self._imports_s = imports_s
         self.schema = schema
         if in_ray and not self.cfg.ray.gpus_per_actor:
             # Ray sets one OMP thread for a fractional or 1-CPU actor; compute with what it holds.
@@ -255,7 +258,7 @@ class CaptureWorker:
                 self.schema,
                 self.engine,
                 compress_threads=self.cfg.ray.writer_threads_per_actor(),
-                engine_start_s=time.perf_counter() - t0,
+                engine_start_s=self._imports_s + time.perf_counter() - t0,
             )
         return self._writer
 

@@ -101,8 +101,9 @@ def run_job(cfg: dict, work: Path, ray: bool = True) -> dict:
     m = DatasetManifest.model_validate_json((Path(cfg["output"]["uri"]) / "manifest.json").read_text())
     units = m.unit_seconds()
     s = m.seconds
-    # The capture actor's critical path; what else the capture stage took is Ray's (the actor's
-    # process start and imports, scheduling, object transfers).
+    # The capture actor's critical path (engine_start includes the worker module's imports, torch
+    # among them); what else the capture stage took is Ray's (the actor's process start with
+    # Ray's own imports, scheduling, object transfers).
     actor = sum(
         units.get(k, 0.0) for k in ("engine_start", "tokenize", "forward", "byte_split", "writer_wait", "commit")
     )
