@@ -168,6 +168,7 @@ def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_
     started = {
         "api server": any("dashboard/dashboard.py" in c for c in got["commands"]),
         "monitor": any("autoscaler/_private/monitor.py" in c for c in got["commands"]),
+        # the agent renames its process; the raylet's command line carries the agent's command
         "minimal agent": any("dashboard/agent.py" in c and "--minimal" in c for c in got["commands"]),
         "log monitor": any("_private/log_monitor.py" in c for c in got["commands"]),
     }

@@ -12,16 +12,22 @@ from schemas.extract import ExtractConfig
 from schemas.manifest import DatasetManifest, ShardRecord
 
 
+def _capture_worker(cfg_json: str, schema: pa.Schema, in_ray: bool):
+    """A :class:`~pipeline.extract.worker.CaptureWorker`, its module imported here (torch among
+    its imports, none when this process has it already) and those seconds counted in its start."""
+    t0 = time.perf_counter()
+    from pipeline.extract.worker import CaptureWorker
+
+    return CaptureWorker(cfg_json, schema, in_ray=in_ray, imports_s=time.perf_counter() - t0)
+
+
 class CaptureActor:
     """The Ray actor around a :class:`~pipeline.extract.worker.CaptureWorker`, which is imported
     in the actor's process only: torch and transformers are seconds of imports the job's own
     process does without."""
 
     def __init__(self, cfg_json: str, schema: pa.Schema):
-        t0 = time.perf_counter()
-        from pipeline.extract.worker import CaptureWorker
-
-        self.worker = CaptureWorker(cfg_json, schema, in_ray=True, imports_s=time.perf_counter() - t0)
+        self.worker = _capture_worker(cfg_json, schema, in_ray=True)
 
     def process(self, unit: int, start: int, rows: list[bytes], keep: list[int] | None = None) -> str:
         return self.worker.process(unit, start, rows, keep)
@@ -42,11 +48,7 @@ class CapturePool:
         if use_ray:
             self.pool = RayUnitPool(actor_cls, (cfg.model_dump_json(), schema), cfg.ray, units, "capture actor")
         else:
-            t0 = time.perf_counter()
-            from pipeline.extract.worker import CaptureWorker
-
-            worker = CaptureWorker(cfg.model_dump_json(), schema, in_ray=False, imports_s=time.perf_counter() - t0)
-            self.pool = LocalUnitPool(worker)
+            self.pool = LocalUnitPool(_capture_worker(cfg.model_dump_json(), schema, in_ray=False))
 
     def run(self, payload: list[dict], progress: bool) -> Iterator[ShardRecord]:
         seen = {"tokens": 0}
