@@ -449,28 +449,51 @@ def test_other_engine_release_blocked(vllm_engine, trained_run, tiny_target, tmp
 def test_an_engine_started_later_does_not_blank_an_earlier_ones_counters(
     vllm_engine, trained_run, tiny_target, tmp_path
 ):
-    """vLLM keeps only the newest engine's metrics in a process: an older EAGLE-3 engine would
-    read as if it accepted nothing (mean length 1.0, silently). Reading one raises; ``shared``
-    restarts it, and its counts are what they were."""
+    """vLLM keeps only the newest engine's metrics in a process: read there, an older EAGLE-3
+    engine would look as if it accepted nothing (mean length 1.0, silently). Each engine counts
+    its own steps instead, so the older one stays readable, with vLLM's counts, and is not restarted."""
     import shutil
-
-    from pipeline.engines.errors import EngineError
 
     art, copy = trained_run / "export" / "vllm", tmp_path / "copy"
     shutil.copytree(art, copy)
     kw = {"dtype": "float32", "max_model_len": 512}
     prompt = [list(range(5, 30))]
+    vllm_engine.release("eagle3", str(art))  # started fresh: the newest engine, whose metrics vLLM keeps
     first = vllm_engine.shared("eagle3", tiny_target, str(art), 3, **kw)
+    assert first.own_counters is not None
+    vllm_metrics = vllm_engine.read_spec_metrics(first.llm)
     _, before = first.generate(prompt, 16)
+    # while it is the newest engine, its own counts are what vLLM's metrics say
+    assert vllm_engine.spec_stats(vllm_metrics, vllm_engine.read_spec_metrics(first.llm), 3) == before
     vllm_engine.shared("eagle3", tiny_target, str(copy), 3, **kw).generate(prompt, 4)
-    with pytest.raises(EngineError, match="no longer readable"):
-        first.generate(prompt, 16)
     again = vllm_engine.shared("eagle3", tiny_target, str(art), 3, **kw)
-    assert again is not first and again.counters_readable
+    assert again is first and again.counters_readable
     _, after = again.generate(prompt, 16)
     assert before.num_drafts > 0 and after == before
     for d in (art, copy):
         vllm_engine.release("eagle3", str(d))
+
+
+def test_an_engines_own_counters_sum_its_steps_and_are_refused_where_vllm_has_no_hook(vllm_engine):
+    """The counter joins the engine's stat loggers and adds up what each scheduler step reports;
+    a vLLM without that list gets None (the engine then reads vLLM's process-wide metrics)."""
+    from types import SimpleNamespace as NS
+
+    from pipeline.engines.vllm import counters
+
+    loggers: list = []
+    c = counters.attach(NS(llm_engine=NS(logger_manager=NS(stat_loggers=loggers))), 3)
+    assert loggers == [c]
+    step = NS(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3, num_accepted_tokens_per_pos=[2, 1, 0])
+    for stats in (NS(spec_decoding_stats=step), NS(spec_decoding_stats=None), None, NS(spec_decoding_stats=step)):
+        c.record(stats, None)
+    assert c.snapshot() == {
+        counters.NUM_DRAFTS: 4,
+        counters.NUM_DRAFT_TOKENS: 12,
+        counters.NUM_ACCEPTED: 6,
+        counters.ACCEPTED_PER_POS: [4, 2, 0],
+    }
+    assert counters.attach(NS(llm_engine=NS(logger_manager=None)), 3) is None
 
 
 def test_only_the_engines_refusal_is_a_finding_a_bug_in_strata_is_an_error(

@@ -38,6 +38,7 @@ from pipeline.engines.errors import EngineError, EngineUnavailable
 from pipeline.engines.feed_files import take_calls
 from pipeline.engines.packing import pack_by_tokens
 from pipeline.engines.refs import vllm_engine_ref, vllm_version
+from pipeline.engines.vllm import counters
 from pipeline.engines.vllm.feed import EXTENSION
 from pipeline.identity import target_config, text_config
 from schemas.acceptance import Acceptance
@@ -48,12 +49,7 @@ log = logging.getLogger(__name__)
 
 CONNECTOR = "StrataHiddenStatesConnector"
 CONNECTOR_MODULE = "pipeline.engines.vllm.connector"
-SPEC_METRICS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-    "vllm:spec_decode_num_accepted_tokens_per_pos",
-)
+SPEC_METRICS = (counters.NUM_DRAFTS, counters.NUM_DRAFT_TOKENS, counters.NUM_ACCEPTED, counters.ACCEPTED_PER_POS)
 
 
 def _target_shape(model_dir: str | Path) -> tuple[int, int]:
@@ -62,8 +58,9 @@ def _target_shape(model_dir: str | Path) -> tuple[int, int]:
 
 
 # Every vLLM engine started in a process replaces the previous one's metrics in Prometheus's
-# registry (vLLM unregisters them), so only the newest engine's spec-decode counters can be read:
-# an older engine reads as if it had accepted nothing. Engines remember which start they were.
+# registry (vLLM unregisters them), so only the newest engine's spec-decode counters can be read
+# there: an older engine reads as if it had accepted nothing. EAGLE-3 engines keep their own
+# (pipeline.engines.vllm.counters); where vLLM offers no hook, they remember which start they were.
 _starts = 0
 
 
@@ -334,10 +331,10 @@ class VLLMEngine(TargetEngine):
             else shared("eagle3", self.model_dir, str(draft_dir), k, **kw)
         )
         eng.generate(prompts[:1], 2)  # warm-up, untimed and uncounted
-        counters = dict if draft_dir is None else eng.spec_metrics  # a plain engine has none to read
-        marks = [counters()]
+        read = dict if draft_dir is None else eng.spec_metrics  # a plain engine has none to read
+        marks = [read()]
         outs, prefill, total = time_decode(
-            eng.generate_tokens, prompts, max_new_tokens, after_each=lambda: marks.append(counters())
+            eng.generate_tokens, prompts, max_new_tokens, after_each=lambda: marks.append(read())
         )
         if draft_dir is None:
             return DecodeTiming(outs, prefill, total, None)
@@ -457,6 +454,7 @@ class VLLMEagle3:
                 worker_extension_cls=EXTENSION,
             )
         self.start = _starts
+        self.own_counters = counters.attach(self.llm, k)
 
     @contextmanager
     def _refusals(self, doing: str):
@@ -475,10 +473,13 @@ class VLLMEagle3:
 
     @property
     def counters_readable(self) -> bool:
-        """False once another engine started in this process (its metrics replaced this one's)."""
-        return self.start == _starts
+        """With counters of its own, always; else false once another engine started in this
+        process (its metrics replaced this one's)."""
+        return self.own_counters is not None or self.start == _starts
 
     def spec_metrics(self) -> dict[str, list[int] | int]:
+        if self.own_counters is not None:
+            return self.own_counters.snapshot()
         if not self.counters_readable:
             raise EngineError(
                 "this vLLM EAGLE-3 engine's spec-decode counters are no longer readable: another "
