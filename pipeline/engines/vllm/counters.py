@@ -53,17 +53,12 @@ def _logger_class():
 def attach(llm, k: int):
     """A counter fed by this ``LLM``'s own stats, or None where this vLLM has no logger list to join."""
     loggers = getattr(getattr(getattr(llm, "llm_engine", None), "logger_manager", None), "stat_loggers", None)
-    try:
-        cls = _logger_class()
-    except ImportError as e:
-        cls, loggers = None, None
-        log.debug("vLLM's stat-logger interface is missing (%s)", e)
-    if cls is None or not isinstance(loggers, list):
+    if not isinstance(loggers, list):
         log.warning(
             "this vLLM release takes no per-engine stat logger: its spec-decode counters are read from the "
             "process-wide metrics, which only the newest engine in a process keeps"
         )
         return None
-    counters = cls(k=k)
+    counters = _logger_class()(k=k)
     loggers.append(counters)
     return counters
