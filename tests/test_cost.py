@@ -146,8 +146,11 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
     before = reg.promote(ok.artifact_digest, "production")
     history = len(reg.history("production"))
 
-    # The incident: the embedding inserted first, the last trained layer dropped.
+    # The incident: the embedding inserted first, the last trained layer dropped. Its table reuses
+    # the engine validation served it with and the passing configuration's: it starts the target alone.
+    starts = vllm_engine._starts
     bad = validate(pretrained_run, pretrained_target, tmp_path, ids=[0, 2, 6], registry=str(registry))
+    assert vllm_engine._starts - starts == 2, "EAGLE-3 as written, then the target alone"
     assert bad.decision == "block"
     rows = {r.configuration: r.model_dump() for r in bad.cost.rows}
     base, written, fixed = rows["no speculation"], rows["draft, config as written"], rows["draft, correct ids"]
@@ -197,6 +200,39 @@ def test_cost_table_for_a_blocked_config_only(vllm_engine, pretrained_run, pretr
         "| reference decoding, the points the engine feeds",
         "| at training, held-out prompts",
     ]
+
+
+def test_a_served_copy_is_one_directory_per_config_and_weights_until_released(tmp_path):
+    """Validation's serving and its cost table load the same copy (one engine); another config or
+    rewritten weights get another, and releasing unloads and removes it."""
+    from pipeline.validate.acceptance import release_served, served_draft_dir
+
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "config.json").write_text(json.dumps({AUX_KEY: [1, 2, 3]}))
+    (art / "model.safetensors").write_bytes(b"w" * 8)
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps({AUX_KEY: [1, 2, 3]}))
+    assert served_draft_dir(art, same) == (art, False)  # the artifact's own config: no copy
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({AUX_KEY: [0, 2, 6]}))
+    d, copied = served_draft_dir(art, other)
+    assert copied and json.loads((d / "config.json").read_text()) == {AUX_KEY: [0, 2, 6]}
+    assert (d / "model.safetensors").read_bytes() == b"w" * 8 and served_draft_dir(art, other)[0] == d
+    (art / "model.safetensors").write_bytes(b"v" * 9)  # retrained in place
+    d2 = served_draft_dir(art, other)[0]
+    assert d2 != d and (d2 / "model.safetensors").read_bytes() == b"v" * 9
+
+    class Engine:
+        released: list = []
+
+        def release_draft(self, path):
+            self.released.append(path)
+
+    release_served(Engine(), art, other)
+    assert Engine.released == [d2] and not d2.exists()
+    release_served(Engine(), art, other)  # nothing left: nothing to do
+    assert Engine.released == [d2]
 
 
 def test_no_cost_flag_parses():

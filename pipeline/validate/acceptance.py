@@ -8,8 +8,10 @@ greedy output. The prompts are prefixes of the probe samples (never trained on).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
 from dataclasses import replace
@@ -147,13 +149,44 @@ def serve(
 
 
 def served_draft_dir(art: Path, draft_config: Path) -> tuple[Path, bool]:
-    """A directory the engine can load: the artifact, or a temp copy carrying the served config."""
-    if draft_config.resolve() == (art / "config.json").resolve() or (
-        json.loads(draft_config.read_text()) == json.loads((art / "config.json").read_text())
+    """A directory the engine can load: the artifact, or a copy carrying the served config.
+
+    The copy's path is fixed by this process, the artifact's files and the config, so the
+    validation's serving and its cost table load one engine for it; :func:`release_served`
+    unloads and removes it when the validation is done."""
+    config = json.loads(draft_config.read_text())
+    if draft_config.resolve() == (art / "config.json").resolve() or config == json.loads(
+        (art / "config.json").read_text()
     ):
         return art, False
-    tmp = Path(tempfile.mkdtemp(prefix="strata-served-draft-"))
-    return draft_dir_with(art, json.loads(draft_config.read_text()), tmp), True
+    dest = _served_copy_path(art, config)
+    if not (dest / "config.json").exists():
+        partial = Path(tempfile.mkdtemp(prefix=dest.name + ".partial-", dir=dest.parent))
+        draft_dir_with(art, config, partial)
+        try:
+            partial.rename(dest)
+        except OSError:  # made meanwhile by another thread of this process: use that one
+            shutil.rmtree(partial, ignore_errors=True)
+    return dest, True
+
+
+def release_served(engine: TargetEngine, art: Path, draft_config: Path) -> None:
+    """Unload and remove the served copy :func:`served_draft_dir` made for this config, if any."""
+    dest = _served_copy_path(art, json.loads(draft_config.read_text()))
+    if dest.exists():
+        engine.release_draft(dest)
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def _served_copy_path(art: Path, config: dict) -> Path:
+    """Changed weights or another config give another path: an engine serving one never stands in."""
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    h.update(str(art.resolve()).encode())
+    for f in sorted(art.iterdir()):
+        if f.is_file() and f.name != "config.json":
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return Path(tempfile.gettempdir()) / f"strata-served-draft-{os.getpid()}-{h.hexdigest()[:16]}"
 
 
 def draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
@@ -169,11 +202,6 @@ def draft_dir_with(art: Path, config: dict, dest: Path) -> Path:
 def serve_as_configured(
     engine: TargetEngine, cfg: ValidateConfig, art: Path, draft_config: Path, ps: list[list[int]]
 ) -> ServeResult:
-    """The serving engine with the draft directory as it will be deployed (the served config.json)."""
-    draft_dir, temporary = served_draft_dir(art, draft_config)
-    try:
-        return serve(engine, cfg, draft_dir, ps)
-    finally:
-        if temporary:  # a one-off copy: no later validation can reuse an engine serving it
-            engine.release_draft(draft_dir)
-            shutil.rmtree(draft_dir, ignore_errors=True)
+    """The serving engine with the draft directory as it will be deployed (the served config.json);
+    a copy made for the config stays loaded until :func:`release_served`."""
+    return serve(engine, cfg, served_draft_dir(art, draft_config)[0], ps)

@@ -21,7 +21,7 @@ from pathlib import Path
 from pipeline import conventions
 from pipeline.engines.base import DecodeTiming, TargetEngine
 from pipeline.engines.errors import EngineError, EngineUnavailable
-from pipeline.validate.acceptance import draft_dir_with
+from pipeline.validate.acceptance import draft_dir_with, served_draft_dir
 from schemas.capture import CapturePoint
 from schemas.validation import Cost, CostRow
 
@@ -56,25 +56,19 @@ def _row(name: str, config: str, t: DecodeTiming, base: DecodeTiming | None, sto
     )
 
 
-def _draft_row(
-    name: str,
-    config: str,
-    engine: TargetEngine,
-    draft_dir: Path,
-    prompts,
-    max_new_tokens: int,
-    k: int,
-    base: DecodeTiming,
-    stop_ids: frozenset[int],
-) -> CostRow:
+def _timed(engine: TargetEngine, draft_dir: Path, prompts, max_new_tokens: int, k: int) -> DecodeTiming | str:
+    """The draft's timing, or why the engine refused to serve it (that is the row's finding; a
+    bug in Strata is not caught)."""
     try:
-        return _row(name, config, engine.timed_decode(draft_dir, prompts, max_new_tokens, k), base, stop_ids)
-    except EngineError as e:  # the engine refusing this configuration is the row's finding (a bug is not)
-        return CostRow(
-            configuration=name,
-            draft_config=config,
-            skipped=f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}",
-        )
+        return engine.timed_decode(draft_dir, prompts, max_new_tokens, k)
+    except EngineError as e:
+        return f"{engine.name} failed to serve it: {type(e).__name__}: {str(e)[:200]}"
+
+
+def _draft_row(name: str, config: str, t: DecodeTiming | str, base: DecodeTiming, stop_ids: frozenset[int]) -> CostRow:
+    if isinstance(t, str):
+        return CostRow(configuration=name, draft_config=config, skipped=t)
+    return _row(name, config, t, base, stop_ids)
 
 
 def cost_table(
@@ -110,42 +104,26 @@ def cost_table(
     tmp = Path(tempfile.mkdtemp(prefix="strata-cost-"))
     loaded: list[Path] = []  # every draft directory served for this table: unloaded before returning
     try:
-        base = engine.timed_decode(None, prompts, max_new_tokens, k)
-        rows = [_row("no speculation", "-", base, None, stop_ids)]
+        # The drafts are timed first, the target alone last: validation has just served the config
+        # as written from the same directory (served_draft_dir), so a pooled engine is still running.
+        written_dir = served_draft_dir(art, draft_config)[0]
+        loaded.append(written_dir)
+        written = _timed(engine, written_dir, prompts, max_new_tokens, k)
         if fixed is None:
-            correct = CostRow(
-                configuration="draft, correct ids",
-                draft_config="-",
-                skipped=f"no id list feeds the trained points: {why}",
-            )
+            ids_fixed, fixed_t = None, f"no id list feeds the trained points: {why}"
         else:
-            fixed_dir = art  # the artifact's own config already has them: reuse a running engine if there is one
-            if fixed != json.loads((art / "config.json").read_text()):
+            ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
+            own = json.loads((art / "config.json").read_text())
+            fixed_dir = art  # the engine reads the same ids from the artifact's own config: reuse its engine
+            if conventions.ids_in_draft_config(own, engine.name, release, family, runner)[0] != ids_fixed:
                 fixed_dir = draft_dir_with(art, fixed, tmp / "fixed")
                 loaded.append(fixed_dir)
-            ids_fixed = conventions.ids_in_draft_config(fixed, engine.name, release, family, runner)[0]
-            correct = _draft_row(
-                "draft, correct ids", f"ids {ids_fixed}", engine, fixed_dir, prompts, max_new_tokens, k, base, stop_ids
-            )
-        written_dir = (
-            art
-            if draft_config.resolve() == (art / "config.json").resolve()
-            else draft_dir_with(art, served, tmp / "as-written")
-        )
-        loaded.append(written_dir)
-        rows += [
-            _draft_row(
-                "draft, config as written",
-                f"ids {ids_written}",
-                engine,
-                written_dir,
-                prompts,
-                max_new_tokens,
-                k,
-                base,
-                stop_ids,
-            ),
-            correct,
+            fixed_t = _timed(engine, fixed_dir, prompts, max_new_tokens, k)
+        base = engine.timed_decode(None, prompts, max_new_tokens, k)
+        rows = [
+            _row("no speculation", "-", base, None, stop_ids),
+            _draft_row("draft, config as written", f"ids {ids_written}", written, base, stop_ids),
+            _draft_row("draft, correct ids", "-" if ids_fixed is None else f"ids {ids_fixed}", fixed_t, base, stop_ids),
         ]
         return Cost(
             rows=rows,

@@ -57,6 +57,7 @@ def run_validate(cfg: ValidateConfig, engine: TargetEngine | None = None) -> Val
                 report.cost = blocked_cost(case, engine)
             engine.release_draft(case.art)  # a blocked configuration does not stay loaded
     finally:
+        acceptance.release_served(engine, case.art, case.draft_cfg_path)  # served and costed: done
         if owned:
             engine.close()
     if cfg.report_dir:
