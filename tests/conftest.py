@@ -403,6 +403,8 @@ def ray_connected(ray_cluster):
     """This test process as a Ray driver of the test cluster."""
     import ray
 
+    if ray.is_initialized():  # a job run in-process earlier (use_ray=True) left its connection open
+        ray.shutdown()
     ray.init(address=ray_cluster["address"], log_to_driver=False)
     yield ray_cluster
     ray.shutdown()

@@ -39,10 +39,8 @@ def validate_config(tmp_path: Path, art: Path, target: Path, replay: str = "hf",
 
 @pytest.mark.vllm
 def test_validate_json_through_vllm_is_one_document_on_stdout(vllm_engine, trained_run, tiny_target, tmp_path):
-    """vLLM really starts (EAGLE-3 serving) in a separate process and logs plenty. (HF transformers
-    captures the reference here: replay through vLLM's capture engine is test_vllm_engine's, and
-    a second engine start would only slow this test.)"""
-    cfg = validate_config(tmp_path, trained_run / "export" / "vllm", tiny_target)
+    """vLLM really starts (replay and EAGLE-3 serving) in a separate process and logs plenty."""
+    cfg = validate_config(tmp_path, trained_run / "export" / "vllm", tiny_target, replay="engine")
     run = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "validate", "--config", str(cfg), "--json", "--no-cost"],
         cwd=REPO,
