@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -526,13 +527,24 @@ class VLLMEagle3:
 # -- one engine per configuration, per process -------------------------------------------
 _POOL: dict[tuple, VLLMEngine | VLLMEagle3 | VLLMPlain] = {}
 _POOL_SIZE = 3
+_CLOSING: list[threading.Thread] = []
+
+
+def _close_soon(engine: VLLMEngine | VLLMEagle3 | VLLMPlain) -> None:
+    """Shut ``engine`` down in the background: vLLM's graceful shutdown takes ~5 s (its worker
+    exits, then its core), nearly all of it waiting, which the next engine's start overlaps.
+    The engine has left the pool already, so nothing can be served by it meanwhile."""
+    _CLOSING[:] = [t for t in _CLOSING if t.is_alive()]
+    t = threading.Thread(target=engine.close, name="strata-vllm-close", daemon=True)
+    t.start()
+    _CLOSING.append(t)
 
 
 def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
     """A running engine for this exact configuration, started on first use.
 
-    At most three stay alive (least recently used is shut down first); :func:`close_all`
-    runs at exit.
+    At most three stay alive (the least recently used is shut down first, in the background);
+    :func:`close_all` runs at exit.
     """
     key = (kind, repr(args), repr(sorted(kwargs.items())))
     if key in _POOL and kind == "eagle3" and not _POOL[key].counters_readable:
@@ -541,12 +553,12 @@ def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
             "the newest engine's counters",
             args[1] if len(args) > 1 else args,
         )
-        _POOL.pop(key).close()
+        _close_soon(_POOL.pop(key))
     if key in _POOL:
         _POOL[key] = _POOL.pop(key)  # most recently used last
         return _POOL[key]
     while len(_POOL) >= _POOL_SIZE:
-        _POOL.pop(next(iter(_POOL))).close()
+        _close_soon(_POOL.pop(next(iter(_POOL))))
     cls = {"capture": VLLMEngine, "eagle3": VLLMEagle3, "plain": VLLMPlain}[kind]
     _POOL[key] = cls(*args, **kwargs)
     return _POOL[key]
@@ -555,7 +567,7 @@ def shared(kind: str, *args, **kwargs) -> VLLMEngine | VLLMEagle3 | VLLMPlain:
 def release(kind: str, arg: str) -> None:
     """Shut down every pooled ``kind`` engine started with ``arg`` (e.g. a draft directory)."""
     for key in [k for k in _POOL if k[0] == kind and repr(arg) in k[1]]:
-        _POOL.pop(key).close()
+        _close_soon(_POOL.pop(key))
 
 
 def running(kind: str) -> list[tuple]:
@@ -564,8 +576,12 @@ def running(kind: str) -> list[tuple]:
 
 
 def close_all() -> None:
+    """Shut every pooled engine down (side by side) and wait until all of them, and any still
+    closing from before, are gone."""
     while _POOL:
-        _POOL.popitem()[1].close()
+        _close_soon(_POOL.popitem()[1])
+    while _CLOSING:
+        _CLOSING.pop().join()
 
 
 atexit.register(close_all)
