@@ -37,7 +37,8 @@ class ProbeConfig(ProbeOptions):
 class Candidate(BaseModel):
     points: list[CapturePoint]
     boundaries: list[str]  # r_k labels
-    agreement: list[float]  # per TTT step
+    agreement: list[float]  # per TTT step: the draft's greedy token is the target's, on assistant tokens
+    fit: list[float]  # per TTT step: minus the draft's soft cross-entropy against the target (nats per token)
     why: list[str]  # how it became a candidate (a tool's reading, a shift, the search)
 
 
@@ -57,13 +58,13 @@ class ProbeReport(BaseModel):
     provenance: Literal["inferred", "declared"] | None = None  # where the trained points come from; None: unknown
     best: Candidate
     runner_up: Candidate
-    margin: float  # pooled agreement difference, best - runner-up
+    margin: float  # pooled fit difference, best - runner-up (nats per token)
     margin_se: float  # bootstrap standard error over prompts
     z: float
-    spread: float  # best agreement minus the median candidate's (layer dependence)
+    spread: float  # best fit minus the median candidate's (layer dependence)
     slots: list[dict] = []  # per slot, the others held at the best set: its boundary, next best, margin
     evaluated: int  # candidate sets scored
-    claimed_readings: list[dict]  # who reads the config how, and its agreement
+    claimed_readings: list[dict]  # who reads the config how, and the draft's fit fed that
     serving: dict | None = None  # what the deployment feeds (measured or by rule) and the fix
     reasons: list[str] = []
     notes: list[str] = []

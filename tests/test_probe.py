@@ -175,6 +175,42 @@ def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(
         assert any(c["read_by"][0].startswith("vllm") for c in r.claimed_readings) or d == sf
 
 
+def test_the_probe_weighs_the_drafts_own_training_loss(drafts, pretrained_target, probe_capture):
+    """The evidence is what training minimised, computed by the same code: fed its trained set, the
+    probe's fit and hits are the training step's loss and accuracy on the probe conversations. And
+    the loss tells a wrong reading from the trained one far beyond the probe's noise: the incident's
+    (the embedding inserted, the last slot dropped) and sets at either end of the stream."""
+    import torch
+
+    from pipeline.draft.model import Layout, draft_to_target
+    from pipeline.probe.score import evidence
+
+    cap, n = probe_capture, 12
+    for name, points in SETS.items():
+        draft = read_draft(drafts[name], pretrained_target).model
+        target = cap.targets(draft_to_target(torch.arange(draft.config.draft_vocab_size), draft.d2t))
+        trained = tuple(conventions.boundary(p, n) for p in points)
+        ev = evidence(draft, cap, target, trained, steps=2)
+        x = torch.cat([cap.states[i] for i in trained], dim=-1)
+        with torch.no_grad():
+            out = draft(x, cap.tokens, target, steps=2, seq_lens=cap.lengths)
+        tokens = Layout.of(cap.tokens, cap.lengths).tokens
+        assert torch.allclose(-ev.fit.sum(1), out.step_loss.double() * tokens, rtol=1e-5), name
+        assert ev.hits.sum(1).tolist() == out.correct.tolist() and ev.trained.sum(1).tolist() == out.counted.tolist()
+
+        def loss(aux, draft=draft, target=target):
+            e = evidence(draft, cap, target, aux, steps=2)
+            return float(-e.fit.sum() / e.in_loss.sum())
+
+        # measured: trained 5.26-5.47 nats per token; the incident's reading 0.06-0.08 worse, the
+        # stream's two ends 0.02-0.10 worse (the probe's noise on 32 prompts: ~0.0005)
+        wrong = [(1, 2, 3), (n - 2, n - 1, n)]
+        incident = sorted({conventions.boundary(p, n) for p in conventions.embedding_inserted(points, n)})
+        wrong += [tuple(incident)] if len(incident) == 3 else []
+        for aux in wrong:
+            assert loss(aux) > loss(trained) + 0.01, (name, aux, loss(aux), loss(trained))
+
+
 def test_a_draft_that_fits_other_layers_better_is_not_reported_as_trained_on_them(trained_run, tiny_target, tmp_path):
     """The random-init target's draft (trained on r_2, r_3, r_4) agrees best with sets it was never
     trained on -- beyond the noise (measured: r_0, r_1 at 4.8 SE on a 6-layer target) -- because it

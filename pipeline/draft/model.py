@@ -301,19 +301,23 @@ class Eagle3Draft(nn.Module):
         losses, correct, counted = [], [], []
         total = aux.new_zeros((), dtype=torch.float32)
         for i, h in enumerate(self.unroll(aux, input_ids, steps, layout)):
-            logits = self.logits(h).float()
-            trained = shift(target.trained, i + 2, fill=False) & (layout.remaining >= i + 2)
-            mask = trained & shift(target.in_draft_vocab, i + 1, fill=False)
-            p = shift(target.p_draft, i + 1, fill=0.0)
-            ce = -(p * logits.log_softmax(-1)).sum(-1)
-            loss_i = (ce * mask).sum() / layout.tokens  # SpecForge's mean over positions, padding left out
+            s = self.score_step(h, i, target, layout)
+            loss_i = s.ce.sum() / layout.tokens  # SpecForge's mean over positions, padding left out
             total = total + (decay**i) * loss_i
-            draft_argmax = logits.argmax(-1)
-            hit = (draft_to_target(draft_argmax, self.d2t) == shift(target.greedy, i + 1, fill=-1)) & trained
             losses.append(loss_i.detach())
-            correct.append(hit.sum().detach())
-            counted.append(trained.sum().detach())
+            correct.append(s.hit.sum().detach())
+            counted.append(s.trained.sum().detach())
         return TTTOutput(total, torch.stack(losses), torch.stack(correct), torch.stack(counted))
+
+    def score_step(self, h: torch.Tensor, i: int, target: TargetBatch, layout: Layout) -> StepScore:
+        """Step i's loss terms and hits at every position (the probe weighs them per sequence)."""
+        logits = self.logits(h).float()
+        trained = shift(target.trained, i + 2, fill=False) & (layout.remaining >= i + 2)
+        mask = trained & shift(target.in_draft_vocab, i + 1, fill=False)
+        p = shift(target.p_draft, i + 1, fill=0.0)
+        ce = -(p * logits.log_softmax(-1)).sum(-1)
+        hit = (draft_to_target(logits.argmax(-1), self.d2t) == shift(target.greedy, i + 1, fill=-1)) & trained
+        return StepScore(ce * mask, mask, hit, trained)
 
 
 def shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
@@ -334,6 +338,16 @@ class TargetBatch:
     greedy: torch.Tensor  # [B,T] target argmax over the FULL vocab (next-token prediction)
     in_draft_vocab: torch.Tensor  # [B,T] greedy token is in the draft vocab (else masked from loss)
     trained: torch.Tensor  # [B,T] loss mask of the token at this position (assistant, not padding)
+
+
+@dataclass
+class StepScore:
+    """One TTT step at every position [B, T]: what the loss and the accuracy are made of."""
+
+    ce: torch.Tensor  # soft cross-entropy against the target, 0 where not in the loss
+    in_loss: torch.Tensor  # trained, and the target's token is in the draft vocab
+    hit: torch.Tensor  # the draft's greedy token is the target's, at a trained position
+    trained: torch.Tensor  # the predicted token is trained (assistant, in this sequence)
 
 
 @dataclass

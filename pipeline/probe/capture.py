@@ -1,4 +1,4 @@
-"""Every residual boundary of the target on the probe prompts, once, with its greedy tokens."""
+"""Every residual boundary of the target on the probe conversations, once, and the state its head reads."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from pipeline import conventions
+from pipeline.data.chat import Encoded
+from pipeline.draft.model import TargetBatch
 from pipeline.draft.target_head import TargetHead
 from pipeline.identity import target_config, text_config
 from schemas.capture import CapturePoint
@@ -15,13 +17,15 @@ from schemas.capture import CapturePoint
 
 @dataclass
 class ProbeCapture:
-    """Padded to the longest prompt; ``states[i]`` is boundary ``points[i]`` ([P, T, H], fp32)."""
+    """Padded to the longest conversation; ``states[i]`` is boundary ``points[i]`` ([P, T, H], fp32)."""
 
     points: list[CapturePoint]  # r_0 .. r_N
     states: list[torch.Tensor]
-    tokens: torch.Tensor  # [P, T] (0 past each prompt's end)
+    tokens: torch.Tensor  # [P, T] (0 past each conversation's end)
     lengths: torch.Tensor  # [P]
-    greedy: torch.Tensor  # [P, T] the target's argmax next token at each position
+    final: torch.Tensor  # [P, T, H] the post-norm state the target's head reads
+    trained: torch.Tensor  # [P, T] bool: assistant tokens, the ones a draft is trained to predict
+    head: TargetHead
 
     @property
     def num_layers(self) -> int:
@@ -30,15 +34,20 @@ class ProbeCapture:
     def index(self, point: CapturePoint) -> int:
         return self.points.index(point)
 
+    def targets(self, draft_ids: torch.Tensor) -> TargetBatch:
+        """What the target says at each position, over a draft's vocabulary (as training computes it)."""
+        return self.head.targets(self.final, self.trained, draft_ids)
+
 
 def capture_boundaries(
-    target_dir: str | Path, prompts: list[list[int]], dtype: str = "float32", device: str = "cpu"
+    target_dir: str | Path, conversations: list[Encoded], dtype: str = "float32", device: str = "cpu"
 ) -> ProbeCapture:
-    """Run the target (HF transformers) over ``prompts`` and keep r_0..r_N and its greedy tokens."""
+    """Run the target (HF transformers) over the conversations and keep r_0..r_N and its predictions."""
     from pipeline.engines.hf import HFEngine
 
     n = int(text_config(target_config(target_dir))["num_hidden_layers"])
     *points, final = conventions.all_boundaries(n)  # r_0 .. r_N, then the post-norm state the head reads
+    prompts = [c.input_ids for c in conversations]
     engine = HFEngine(target_dir, [*points, final], dtype, device)
     try:
         got = engine.capture_tensors(prompts)
@@ -48,12 +57,15 @@ def capture_boundaries(
     P, T = len(prompts), max(len(p) for p in prompts)
     H = got[str(points[0])][0].shape[-1]
     states = [torch.zeros(P, T, H) for _ in points]
+    post = torch.zeros(P, T, H)
     tokens = torch.zeros(P, T, dtype=torch.long)
-    greedy = torch.full((P, T), -1, dtype=torch.long)
-    for i, seq in enumerate(prompts):
-        L = len(seq)
-        tokens[i, :L] = torch.as_tensor(seq)
+    trained = torch.zeros(P, T, dtype=torch.bool)
+    for i, c in enumerate(conversations):
+        L = len(c.input_ids)
+        tokens[i, :L] = torch.as_tensor(c.input_ids)
+        trained[i, :L] = torch.as_tensor(c.loss_mask, dtype=torch.bool)
         for j, p in enumerate(points):
             states[j][i, :L] = got[str(p)][i].float()
-        greedy[i, :L] = (got[str(final)][i].float() @ head.weight.T).argmax(-1)
-    return ProbeCapture(points, states, tokens, torch.as_tensor([len(p) for p in prompts]), greedy)
+        post[i, :L] = got[str(final)][i].float()
+    lengths = torch.as_tensor([len(p) for p in prompts])
+    return ProbeCapture(points, states, tokens, lengths, post, trained, head)

@@ -1,7 +1,8 @@
 """``strata probe``: which layers was this draft trained on?
 
-The target runs once over the probe prompts (every boundary kept); candidate aux sets are
-ranked by the draft's agreement with the target's greedy tokens; the answer is the best set,
+The target runs once over the probe conversations (every boundary kept); candidate aux sets are
+ranked by how well the draft fits the target when fed each -- its own training loss on the assistant
+tokens (``score``); the answer is the best set,
 its margin over the runner-up and that margin's error, or "inconclusive". What a deployment
 feeds the draft is the gate's question (``pipeline.validate.foreign``).
 """
@@ -12,7 +13,7 @@ import logging
 from dataclasses import dataclass
 
 from pipeline import conventions
-from pipeline.data.chat import ChatEncoder
+from pipeline.data.chat import ChatEncoder, Encoded
 from pipeline.data.conversations import BadRow, parse_row
 from pipeline.data.source import scan_source
 from pipeline.data.stdlib import make_conversations
@@ -42,9 +43,9 @@ class Probe:
         return self.inference.set_of(self.inference.best) if self.inference.conclusive else None
 
 
-def probe_prompts(cfg: ProbeConfig) -> list[list[int]]:
-    """Token ids of the probe conversations in the target's chat template (whole conversations:
-    every position is evidence)."""
+def probe_prompts(cfg: ProbeConfig) -> list[Encoded]:
+    """The probe conversations in the target's chat template, with their assistant tokens marked
+    (whole conversations: every assistant token is evidence)."""
     if cfg.conversations:
         convs = []
         for row in scan_source(cfg.conversations).rows:
@@ -58,9 +59,12 @@ def probe_prompts(cfg: ProbeConfig) -> list[list[int]]:
     enc = ChatEncoder(cfg.target.path, cfg.max_length)
     out = []
     for messages in convs:
-        ids = enc.encode(messages).input_ids
-        if len(ids) >= 8:
-            out.append(ids)
+        try:
+            e = enc.encode(messages)
+        except BadRow:  # no assistant turn within max_length: nothing a draft was trained to predict
+            continue
+        if len(e.input_ids) >= 8:
+            out.append(e)
         if len(out) == cfg.prompts:
             break
     if len(out) < 2:
@@ -98,6 +102,7 @@ def _candidate(inf: Inference, s: Scored) -> Candidate:
         points=pts,
         boundaries=[conventions.boundary_label(p, n) for p in pts],
         agreement=[round(a, 4) for a in inf.agreement(s)],
+        fit=[round(f, 5) for f in inf.fit(s)],
         why=s.why,
     )
 
@@ -167,7 +172,7 @@ def _report(
                 "read_by": who,
                 "points": [str(p) for p in points],
                 "boundaries": [conventions.boundary_label(p, n) for p in points],
-                "agreement": round(pooled[aux], 4) if aux in pooled else None,
+                "fit": round(pooled[aux], 5) if aux in pooled else None,
                 "is_the_inferred_set": list(points) == best.points and inf.conclusive,
             }
         )
@@ -176,23 +181,23 @@ def _report(
     if inf.conclusive:
         verdict = "inferred"
         summary = (
-            f"{among}trained on {', '.join(best.boundaries)} ({words}): agreement {inf.pooled(inf.best):.3f}, "
-            f"{inf.margin:.3f} above the runner-up {', '.join(ru.boundaries)} "
-            f"(+-{inf.margin_se:.3f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)"
+            f"{among}trained on {', '.join(best.boundaries)} ({words}): the draft's loss is lowest fed these, "
+            f"{inf.margin:.4f} nats per token below the runner-up {', '.join(ru.boundaries)} "
+            f"(+-{inf.margin_se:.4f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)"
         )
     elif inf.margin > cfg.z * inf.margin_se and inf.margin > 0:
         verdict = "inconclusive"
         summary = (
             f"inconclusive: the best set {', '.join(best.boundaries)} leads the runner-up by {inf.margin:.4f} "
-            f"(+-{inf.margin_se:.4f}), but it lies only {inf.spread:.3f} above the median candidate (at least "
+            f"nats per token (+-{inf.margin_se:.4f}), but only {inf.spread:.4f} above the median candidate (at least "
             f"{cfg.min_spread:g} needed): this draft barely depends on which layers it reads, so its best fit "
             "says nothing about what it was trained on"
         )
     else:
         verdict = "inconclusive"
         summary = (
-            f"inconclusive: the best set {', '.join(best.boundaries)} (agreement {inf.pooled(inf.best):.3f}) "
-            f"leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
+            f"inconclusive: the best set {', '.join(best.boundaries)} (loss {-inf.pooled(inf.best):.4f} nats per "
+            f"token) leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
             f"errors ({inf.margin_se:.4f}) -- an untrained draft, the wrong target, or too few prompts "
             f"({n_prompts})"
         )
@@ -227,7 +232,7 @@ def _report(
         provenance=provenance,
         num_layers=n,
         prompts=n_prompts,
-        positions=int(inf.counted[0].sum()),
+        positions=inf.positions,
         claimed=draft.claimed,
         best=best,
         runner_up=ru,

@@ -17,8 +17,9 @@ def summary(r: ProbeReport) -> list[str]:
     claimed = "; ".join(f"{k} = {v}" for k, v in r.claimed.items()) or "none (engines would use their defaults)"
     lines.append(f"  ids in the config: {claimed}")
     lines.append(
-        f"  evidence: {r.prompts} prompts, {r.positions} positions, {r.evaluated} candidate sets; agreement "
-        f"per TTT step: best {r.best.agreement}, runner-up {r.runner_up.agreement}"
+        f"  evidence: {r.prompts} prompts, {r.positions} assistant tokens, {r.evaluated} candidate sets; per TTT "
+        f"step, the draft's loss (nats per token) best {[-f for f in r.best.fit]}, runner-up "
+        f"{[-f for f in r.runner_up.fit]}; its agreement best {r.best.agreement}, runner-up {r.runner_up.agreement}"
     )
     for e in r.slots:  # conditional: the other slots held at the best set
         rival = (
@@ -30,11 +31,11 @@ def summary(r: ProbeReport) -> list[str]:
         )
     if r.verdict != "inconclusive":
         for c in r.claimed_readings:
-            if c["agreement"] is None:
+            if c["fit"] is None:
                 continue
             mark = "= the inferred set" if c["is_the_inferred_set"] else "   a different set"
             lines.append(
-                f"  {mark}: {', '.join(c['boundaries'])} (agreement {c['agreement']:.3f}) read by "
+                f"  {mark}: {', '.join(c['boundaries'])} (loss {-c['fit']:.4f}) read by "
                 f"{'; '.join(c['read_by'][:3])}{' ...' if len(c['read_by']) > 3 else ''}"
             )
     if r.serving:

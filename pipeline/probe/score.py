@@ -1,31 +1,45 @@
-"""The draft's agreement with the target for one aux set: the evidence the probe weighs.
+"""How well the draft does its job when one aux set is fed to it: the evidence the probe weighs.
 
-At TTT step i, position t of the draft reads token t+i+1 and predicts token t+i+2, which the
-target predicted at position t+i+1 (its greedy token there). Step 0 reads the aux states
-directly; later steps read the draft's own states, so the aux set's effect carries on.
+The measure is the draft's own training objective -- the soft cross-entropy against the target's
+distribution, TTT steps unrolled, on the assistant tokens it was trained to predict -- computed by
+the draft's own ``score_step``. Fed the layers it was trained on, a draft is at the optimum its
+training found; fed others, it is off it. Greedy agreement is kept for the report, but it is a
+coarse reading of the same thing: on a small draft it ranks the trained set anywhere among the
+candidates, where the loss ranks it first or second. Positions outside the assistant turns are left
+out for the same reason: the draft never learned to predict them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pipeline.draft.model import Eagle3Draft, draft_to_target, shift
+from pipeline.draft.model import Eagle3Draft, Layout, TargetBatch
 from pipeline.probe.capture import ProbeCapture
 
 
+@dataclass
+class Evidence:
+    """Per TTT step and probe conversation, [steps, P]."""
+
+    fit: torch.Tensor  # minus the soft cross-entropy, summed over the positions in the loss (float64)
+    in_loss: torch.Tensor  # those positions
+    hits: torch.Tensor  # the draft's greedy token is the target's, at a trained position
+    trained: torch.Tensor  # trained positions
+
+
 @torch.no_grad()
-def agreement(
-    draft: Eagle3Draft, cap: ProbeCapture, aux: tuple[int, ...], steps: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits [steps, P], counted [steps, P]) with ``cap.states[aux[j]]`` fed to slot j."""
-    P, T = cap.tokens.shape
+def evidence(
+    draft: Eagle3Draft, cap: ProbeCapture, target: TargetBatch, aux: tuple[int, ...], steps: int = 1
+) -> Evidence:
+    """``cap.states[aux[j]]`` fed to slot j; ``target``: ``cap.targets`` over the draft's vocabulary."""
     x = torch.cat([cap.states[i] for i in aux], dim=-1)
-    valid = torch.arange(T)[None, :] < cap.lengths[:, None]
-    hits = torch.zeros(steps, P, dtype=torch.long)
-    counted = torch.zeros(steps, P, dtype=torch.long)
-    for i, h in enumerate(draft.unroll(x, cap.tokens, steps)):
-        pred = draft_to_target(draft.logits(h).argmax(-1), draft.d2t)
-        ok = shift(valid, i + 1, fill=False)
-        hits[i] = ((pred == shift(cap.greedy, i + 1, fill=-1)) & ok).sum(1)
-        counted[i] = ok.sum(1)
-    return hits, counted
+    layout = Layout.of(cap.tokens, cap.lengths)
+    rows: list[list[torch.Tensor]] = [[], [], [], []]
+    for i, h in enumerate(draft.unroll(x, cap.tokens, steps, layout)):
+        s = draft.score_step(h, i, target, layout)
+        for out, t in zip(rows, (-s.ce.double(), s.in_loss, s.hit, s.trained), strict=True):
+            out.append(t.sum(1))
+    fit, in_loss, hits, trained = (torch.stack(r) for r in rows)
+    return Evidence(fit, in_loss.long(), hits.long(), trained.long())

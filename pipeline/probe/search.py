@@ -1,10 +1,11 @@
-"""Rank candidate aux sets by the draft's agreement, and say how sure the ranking is.
+"""Rank candidate aux sets by how well the draft fits the target fed each, and say how sure that is.
 
 Candidates first: every reading of the config's ids (each engine release, the training tools,
 HF), every default, each of those shifted by 1-3 boundaries, and the embedding inserted. Then a
 per-slot search over every boundary from the best so far, until no slot improves. Sets are
 ascending and distinct (what an engine can feed). The margin to the runner-up gets a standard
-error from resampling prompts; within ``z`` of it the answer is "inconclusive".
+error from resampling prompts; within ``z`` of it the answer is "inconclusive". The fit is the draft's
+training objective (``score``): minus the soft cross-entropy per position, in nats.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline import conventions
-from pipeline.draft.model import Eagle3Draft
+from pipeline.draft.model import Eagle3Draft, draft_to_target
 from pipeline.probe.capture import ProbeCapture
-from pipeline.probe.score import agreement
+from pipeline.probe.score import Evidence, evidence
 from schemas.capture import CapturePoint
 
 Aux = tuple[int, ...]  # indices into ProbeCapture.points, one per slot
@@ -26,7 +27,7 @@ Aux = tuple[int, ...]  # indices into ProbeCapture.points, one per slot
 @dataclass
 class Scored:
     aux: Aux
-    hits: torch.Tensor  # [steps, P]
+    ev: Evidence
     why: list[str] = field(default_factory=list)
 
 
@@ -44,9 +45,8 @@ class SlotEvidence:
 @dataclass
 class Inference:
     points: list[CapturePoint]  # the capture's boundaries, r_0..r_N
-    counted: torch.Tensor  # [steps, P]
     ranked: list[Scored]  # best first
-    margin: float  # agreement(best) - agreement(runner-up), all steps pooled
+    margin: float  # fit(best) - fit(runner-up), nats per position, all steps pooled
     margin_se: float  # its standard error over resampled prompts
     z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
@@ -54,7 +54,7 @@ class Inference:
 
     @property
     def spread(self) -> float:
-        """Best pooled agreement minus the median candidate's: how much the draft leans on its layers."""
+        """Best pooled fit minus the median candidate's: how much the draft leans on its layers."""
         pooled = sorted(self.pooled(s) for s in self.ranked)
         return self.pooled(self.best) - pooled[len(pooled) // 2]
 
@@ -79,12 +79,21 @@ class Inference:
     def set_of(self, s: Scored) -> list[CapturePoint]:
         return [self.points[i] for i in s.aux]
 
+    @property
+    def positions(self) -> int:
+        """Trained positions scored at step 0."""
+        return int(self.best.ev.trained[0].sum())
+
     def agreement(self, s: Scored) -> list[float]:
-        """Per TTT step: the fraction of positions where the draft predicted the target's token."""
-        return (s.hits.sum(1).float() / self.counted.sum(1).clamp(min=1).float()).tolist()
+        """Per TTT step: the fraction of trained positions where the draft predicted the target's token."""
+        return (s.ev.hits.sum(1).float() / s.ev.trained.sum(1).clamp(min=1).float()).tolist()
+
+    def fit(self, s: Scored) -> list[float]:
+        """Per TTT step: minus the draft's soft cross-entropy against the target, nats per position."""
+        return (s.ev.fit.sum(1) / s.ev.in_loss.sum(1).clamp(min=1)).tolist()
 
     def pooled(self, s: Scored) -> float:
-        return float(s.hits.sum() / self.counted.sum().clamp(min=1))
+        return float(s.ev.fit.sum() / s.ev.in_loss.sum().clamp(min=1))
 
 
 def _ascending(aux: Aux) -> bool:
@@ -127,23 +136,26 @@ def infer(
 ) -> Inference:
     """Score the seeds, then search slot by slot from the best; rank everything evaluated."""
     n_aux, n_b = draft.config.num_aux, len(cap.points)
+    target = cap.targets(draft_to_target(torch.arange(draft.config.draft_vocab_size), draft.d2t))
+    if not bool(target.trained.any()):
+        raise ValueError("the probe conversations hold no assistant tokens: nothing a draft is trained to predict")
     scored: dict[Aux, Scored] = {}
-    counted = None
 
     def evaluate(cands: Iterable[tuple[Aux, str]]) -> None:
-        nonlocal counted
         for aux, why in cands:
             if aux in scored:
                 if why not in scored[aux].why:
                     scored[aux].why.append(why)
                 continue
-            hits, counted = agreement(draft, cap, aux, steps)
-            scored[aux] = Scored(aux, hits, [why])
+            scored[aux] = Scored(aux, evidence(draft, cap, target, aux, steps), [why])
             if progress is not None:
                 progress.update(1)
 
+    def key(s: Scored) -> tuple[float, int]:
+        return (float(s.ev.fit.sum()), -sum(s.aux))
+
     def best() -> Scored:
-        return max(scored.values(), key=lambda s: (int(s.hits.sum()), -sum(s.aux)))
+        return max(scored.values(), key=key)
 
     if not seeds:
         raise ValueError("the probe needs at least one candidate aux set to start from")
@@ -157,11 +169,10 @@ def infer(
             evaluate(((*cur[:slot], k, *cur[slot + 1 :]), f"per-slot search (slot {slot})") for k in range(lo, hi))
         if best().aux == start:
             break
-    ranked = sorted(scored.values(), key=lambda s: (-int(s.hits.sum()), sum(s.aux)))
-    assert counted is not None
+    ranked = sorted(scored.values(), key=key, reverse=True)
     if len(ranked) < 2:
         raise ValueError("the probe needs at least two candidate aux sets")
-    margin, se = _margin(ranked[0].hits, ranked[1].hits, counted, resamples, seed)
+    margin, se = _margin(ranked[0], ranked[1], resamples, seed)
     top = ranked[0]
     slots = []
     for j in range(n_aux):  # which slots the evidence pins down, and which the draft barely uses
@@ -173,14 +184,14 @@ def infer(
         if not rivals:
             slots.append(SlotEvidence(j, top.aux[j], None, float("inf"), 0.0))
             continue
-        m, e = _margin(top.hits, rivals[0].hits, counted, resamples, seed + 1 + j)
+        m, e = _margin(top, rivals[0], resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, counted, ranked, margin, se, z, slots, min_spread)
+    return Inference(cap.points, ranked, margin, se, z, slots, min_spread)
 
 
-def _margin(a: torch.Tensor, b: torch.Tensor, counted: torch.Tensor, resamples: int, seed: int) -> tuple[float, float]:
-    """Pooled agreement difference and its bootstrap standard error over prompts."""
-    diff, cnt = (a - b).sum(0).double(), counted.sum(0).double()  # per prompt
+def _margin(a: Scored, b: Scored, resamples: int, seed: int) -> tuple[float, float]:
+    """Pooled fit difference and its bootstrap standard error over prompts."""
+    diff, cnt = (a.ev.fit - b.ev.fit).sum(0), a.ev.in_loss.sum(0).double()  # per prompt
     margin = float(diff.sum() / cnt.sum().clamp(min=1))
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=g)

@@ -6,13 +6,19 @@ and the candidate search, the search's cost per candidate against the capture's 
 (a ratio in the same run), the margin over the runner-up in standard errors, and whether it
 recovered the trained set.
 
+Then the statistic's power, on the demo's pretrained target (12 layers): drafts trained on three aux
+sets, and where each trained set ranks among *every* ascending set of three boundaries (286) by the
+probe's measure (the draft's loss on the assistant tokens) and by greedy agreement over every
+position (what the probe weighed before), with the probe's own verdict beside them.
+
     python tests/benchmarks/bench_probe.py                       # depths 6 12 61, tiny targets
-    python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60   # smoke
+    python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60 --rank-sets 0   # smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
 import sys
@@ -22,18 +28,43 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import torch  # noqa: E402
 from _results import save_result  # noqa: E402
 
 from pipeline import conventions  # noqa: E402
 from pipeline.data.stdlib import write_conversations  # noqa: E402
+from pipeline.demo.pretrain import PretrainRecipe, trained_tiny_target  # noqa: E402
 from pipeline.demo.tiny import make_tiny_target  # noqa: E402
+from pipeline.draft.foreign import read_draft  # noqa: E402
+from pipeline.draft.model import draft_to_target  # noqa: E402
 from pipeline.extract.job import run_extract  # noqa: E402
 from pipeline.probe.capture import capture_boundaries  # noqa: E402
 from pipeline.probe.job import probe_prompts, run_probe  # noqa: E402
+from pipeline.probe.score import evidence  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
+from schemas.capture import CapturePoint  # noqa: E402
 from schemas.extract import ExtractConfig  # noqa: E402
 from schemas.probe import ProbeConfig  # noqa: E402
 from schemas.train import TrainConfig  # noqa: E402
+
+
+def _extract(root: Path, target: Path, capture: list[str], conversations: int) -> None:
+    write_conversations(root / "conv.jsonl", n=conversations)
+    run_extract(
+        ExtractConfig.model_validate(
+            {
+                "target": {"path": str(target)},
+                "source": {"uri": str(root / "conv.jsonl")},
+                "output": {"uri": str(root / "ds")},
+                "capture": [*capture, "final:post_norm"],
+                "max_length": 256,
+                "engine": {"dtype": "float32", "device": "cpu"},
+                "fingerprint": {"probe_samples": 0},
+            }
+        ),
+        progress=False,
+        use_ray=False,
+    )
 
 
 def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
@@ -61,7 +92,7 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
             str(out / "model.safetensors"),
         )
         return out
-    run = root / f"run-{epochs}"
+    run = root / f"run-{epochs}-{'-'.join(aux).replace(':', '')}"
     if not run.exists():
         run_train(
             TrainConfig.model_validate(
@@ -94,29 +125,16 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=240)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--rank-sets", type=int, default=300, help="pretrained-target part: conversations (0: skip it)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    power = _power(args.rank_sets, args.prompts) if args.rank_sets else []
     rows = []
     for n in args.depths:
         root = Path(tempfile.mkdtemp(prefix=f"strata-bench-probe-{n}-"))
         target = make_tiny_target(root / "target", num_layers=n, hidden_size=args.hidden)
         trained = conventions.default_aux_points("vllm", n)
-        write_conversations(root / "conv.jsonl", n=args.conversations)
-        run_extract(
-            ExtractConfig.model_validate(
-                {
-                    "target": {"path": str(target)},
-                    "source": {"uri": str(root / "conv.jsonl")},
-                    "output": {"uri": str(root / "ds")},
-                    "capture": [*map(str, trained), "final:post_norm"],
-                    "max_length": 256,
-                    "engine": {"dtype": "float32", "device": "cpu"},
-                    "fingerprint": {"probe_samples": 0},
-                }
-            ),
-            progress=False,
-            use_ray=False,
-        )
+        _extract(root, target, [str(p) for p in trained], args.conversations)
         cfg = ProbeConfig.model_validate({"draft": "-", "target": {"path": str(target)}, "prompts": args.prompts})
         t0 = time.perf_counter()
         cap = capture_boundaries(target, probe_prompts(cfg))
@@ -157,10 +175,67 @@ def main() -> None:
             "hidden_size": args.hidden,
             "trained_on": "each depth's EAGLE-3 default (r_2, r_N//2, r_N-3)",
             "rows": rows,
+            "pretrained_target_power": power,
         },
         "probe_tiny_cpu.json",
         args.out,
     )
+
+
+# The demo's pretrained target (12 layers, hidden 128) and three trained sets, as tests/test_probe.py.
+POWER_SETS = {
+    "the EAGLE-3 default": ["layer_output:1", "layer_output:5", "layer_output:8"],
+    "another spread": ["layer_output:2", "layer_output:6", "layer_output:10"],
+    "with the embedding": ["embedding", "layer_output:3", "layer_output:7"],
+}
+
+
+def _power(conversations: int, prompts: int, epochs: int = 8) -> list[dict]:
+    """Each trained set's rank among every set of its size, by the probe's loss and by the old agreement."""
+    root = Path(tempfile.mkdtemp(prefix="strata-bench-probe-pretrained-"))
+    target = trained_tiny_target(root / "target", PretrainRecipe())
+    n = PretrainRecipe().num_layers
+    _extract(root, target, sorted({p for s in POWER_SETS.values() for p in s}), conversations)
+    cfg = ProbeConfig.model_validate({"draft": "-", "target": {"path": str(target)}, "prompts": prompts})
+    cap = capture_boundaries(target, probe_prompts(cfg))
+    everywhere = torch.zeros(cap.tokens.shape, dtype=torch.bool)
+    for i, L in enumerate(cap.lengths.tolist()):
+        everywhere[i, :L] = True
+    out = []
+    for name, aux in POWER_SETS.items():
+        draft_dir = _draft(root, target, aux, epochs)
+        probe = run_probe(cfg.model_copy(update={"draft": str(draft_dir)}), progress=False, capture=cap)
+        draft = read_draft(draft_dir, target).model
+        ids = draft_to_target(torch.arange(draft.config.draft_vocab_size), draft.d2t)
+        on_assistant, on_all = cap.targets(ids), cap.head.targets(cap.final, everywhere, ids)
+        trained = tuple(conventions.boundary(CapturePoint.parse(p), n) for p in aux)
+        loss, agree = {}, {}
+        for s in itertools.combinations(range(n + 1), len(aux)):
+            e = evidence(draft, cap, on_assistant, s, cfg.steps)
+            loss[s] = float(-e.fit.sum() / e.in_loss.sum())
+            e = evidence(draft, cap, on_all, s, cfg.steps)
+            agree[s] = float(e.hits.sum() / e.trained.sum())
+        r = probe.report
+        row = {
+            "set": name,
+            "trained_on": [conventions.boundary_label(CapturePoint.parse(p), n) for p in aux],
+            "draft_epochs": epochs,
+            "sets": len(loss),
+            "rank_by_loss_on_assistant_tokens": sorted(loss, key=loss.get).index(trained) + 1,
+            "rank_by_agreement_on_every_position": sorted(agree, key=lambda k: -agree[k]).index(trained) + 1,
+            "loss_trained": round(loss[trained], 5),
+            "loss_best_other": round(min(v for k, v in loss.items() if k != trained), 5),
+            "loss_median": round(sorted(loss.values())[len(loss) // 2], 5),
+            "probe_verdict": r.verdict,
+            "probe_best": r.best.boundaries,
+            "probe_runner_up": r.runner_up.boundaries,
+            "probe_margin": r.margin,
+            "probe_margin_se": r.margin_se,
+            "probe_slots": r.slots,
+        }
+        out.append(row)
+        print(row, flush=True)
+    return out
 
 
 if __name__ == "__main__":
