@@ -96,13 +96,6 @@ class ProbeOptions(BaseModel):
     )
     resamples: int = Field(1000, ge=100, description="bootstrap resamples of the prompts")
     z: float = Field(3.0, gt=0, description="margin over its standard error needed for a conclusion")
-    min_spread: float = Field(
-        0.10,
-        ge=0,
-        description="the best set's agreement must exceed the median candidate's by "
-        "this much: a draft that barely depends on which layers it reads cannot say which it was "
-        "trained on (real drafts lose most of their agreement on wrong layers)",
-    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     candidates: list[list[CapturePoint]] | None = Field(
         None,

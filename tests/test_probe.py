@@ -156,10 +156,10 @@ def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(
 ):
     """Every draft, from SpecForge's layout with no ids and speculators' with ids off by one: the
     probe names its trained set, or says it cannot tell -- never another set. (On this tiny target
-    the drafts trained here barely depend on which layers they read: adjacent boundaries differ by
-    15-25% and every candidate set's agreement lies within ~0.01 of the others, so the full search
-    is inconclusive -- and a draft may even agree a little more with states it was not trained on,
-    e.g. the embedding, which is why only a margin beyond noise over every rival counts.)"""
+    the drafts trained here barely depend on which of two adjacent layers they read: adjacent
+    boundaries differ by 15-25%, and swapping one slot for its neighbour moves the draft's loss by
+    ~0.0002 nats per token, within the noise of 32 prompts, so the verdict is inconclusive; the
+    best set lies within a few boundaries of the trained one.)"""
     trained, work = SETS[name], tmp_path / "wheels"
     sf = specforge_export(drafts[name], tmp_path / "specforge", None, work)
     sp = speculators_export(sf, tmp_path / "speculators", pretrained_target, mislabeled(trained), work)
@@ -170,7 +170,7 @@ def test_the_probe_never_names_a_wrong_set_for_the_drafts_trained_here(
         if r.verdict == "inferred":
             assert r.best.points == trained and r.margin > r.z * r.margin_se > 0, (name, d.name, r.summary)
         else:
-            assert r.margin <= r.z * r.margin_se or r.spread < 0.10, r.summary
+            assert r.margin <= r.z * r.margin_se, r.summary
         assert len(r.slots) == 3 and r.evaluated >= 10  # readings, shifts and the per-slot search all ran
         assert any(c["read_by"][0].startswith("vllm") for c in r.claimed_readings) or d == sf
 
@@ -211,19 +211,17 @@ def test_the_probe_weighs_the_drafts_own_training_loss(drafts, pretrained_target
             assert loss(aux) > loss(trained) + 0.01, (name, aux, loss(aux), loss(trained))
 
 
-def test_a_draft_that_fits_other_layers_better_is_not_reported_as_trained_on_them(trained_run, tiny_target, tmp_path):
-    """The random-init target's draft (trained on r_2, r_3, r_4) agrees best with sets it was never
-    trained on -- beyond the noise (measured: r_0, r_1 at 4.8 SE on a 6-layer target) -- because it
-    barely depends on which layers it reads: the spread over the median candidate says so, and the
-    verdict is inconclusive, not a wrong set."""
+def test_a_draft_that_barely_leans_on_its_layers_is_not_given_a_wrong_set(trained_run, tiny_target, tmp_path):
+    """The random-init target's draft (trained on r_2, r_3, r_4) barely depends on which layers it
+    reads. Greedy agreement over every position favoured sets it was never trained on beyond the
+    noise (r_0, r_1 at 4.8 SE); its own loss on the assistant tokens does not (measured: r_1, r_2,
+    r_4 at 1.3 SE): the verdict is its trained set or inconclusive, never another set."""
     sf = specforge_export(trained_run / "export" / "sglang", tmp_path / "sf", None, tmp_path / "wheels")
     r = _probe(sf, tiny_target).report
     trained = [lo(1), lo(2), lo(3)]
     assert r.verdict == "inconclusive" or r.best.points == trained, r.summary
-    if r.verdict == "inconclusive" and r.margin > r.z * r.margin_se:
-        assert r.spread < 0.10 and "barely depends on which layers it reads" in r.summary, r.summary
-    loose = _probe(sf, tiny_target, min_spread=0.0).report  # without the guard: whatever the argmax is
-    assert loose.best.points == r.best.points and loose.margin == r.margin
+    if r.verdict == "inconclusive":
+        assert r.margin <= r.z * r.margin_se and "barely depends on which of these layers" in r.summary, r.summary
 
 
 def test_a_shortlist_is_scored_as_given_and_checked(drafts, pretrained_target, probe_capture, tmp_path):

@@ -150,7 +150,6 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
             resamples=cfg.resamples,
             z=cfg.z,
             progress=bar,
-            min_spread=cfg.min_spread,
         )
     finally:
         if bar is not None:
@@ -185,21 +184,13 @@ def _report(
             f"{inf.margin:.4f} nats per token below the runner-up {', '.join(ru.boundaries)} "
             f"(+-{inf.margin_se:.4f} over resampled prompts, {inf.margin / max(inf.margin_se, 1e-12):.1f} SE)"
         )
-    elif inf.margin > cfg.z * inf.margin_se and inf.margin > 0:
-        verdict = "inconclusive"
-        summary = (
-            f"inconclusive: the best set {', '.join(best.boundaries)} leads the runner-up by {inf.margin:.4f} "
-            f"nats per token (+-{inf.margin_se:.4f}), but only {inf.spread:.4f} above the median candidate (at least "
-            f"{cfg.min_spread:g} needed): this draft barely depends on which layers it reads, so its best fit "
-            "says nothing about what it was trained on"
-        )
     else:
         verdict = "inconclusive"
         summary = (
             f"inconclusive: the best set {', '.join(best.boundaries)} (loss {-inf.pooled(inf.best):.4f} nats per "
             f"token) leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
-            f"errors ({inf.margin_se:.4f}) -- an untrained draft, the wrong target, or too few prompts "
-            f"({n_prompts})"
+            f"errors ({inf.margin_se:.4f}) -- a draft that barely depends on which of these layers it reads, an "
+            f"untrained draft, the wrong target, or too few prompts ({n_prompts})"
         )
     notes = list(draft.notes)
     provenance = "inferred" if verdict == "inferred" else None

@@ -50,7 +50,6 @@ class Inference:
     margin_se: float  # its standard error over resampled prompts
     z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
-    min_spread: float = 0.0  # how far the best must lie above the median candidate
 
     @property
     def spread(self) -> float:
@@ -68,10 +67,10 @@ class Inference:
 
     @property
     def conclusive(self) -> bool:
-        """Beyond noise over the runner-up, and from a draft that leans on its layers: a draft that barely
-        does can agree *more* with states it was not trained on (measured: the embedding's clean token
-        identity beating the trained layers), so its argmax says nothing about its training."""
-        return self.margin > self.z * self.margin_se and self.margin > 0 and self.spread >= self.min_spread
+        """Beyond noise over the runner-up. (Greedy agreement needed a second guard -- a draft that barely
+        leaned on its layers could agree more with states it was not trained on, beyond the noise; its
+        own loss, which training minimised, has not shown that on any draft measured.)"""
+        return self.margin > self.z * self.margin_se and self.margin > 0
 
     def slot_conclusive(self, e: SlotEvidence) -> bool:
         return e.runner_up is None or (e.margin > self.z * e.margin_se and e.margin > 0)
@@ -132,7 +131,6 @@ def infer(
     z: float = 3.0,
     seed: int = 0,
     progress=None,
-    min_spread: float = 0.0,
 ) -> Inference:
     """Score the seeds, then search slot by slot from the best; rank everything evaluated."""
     n_aux, n_b = draft.config.num_aux, len(cap.points)
@@ -186,7 +184,7 @@ def infer(
             continue
         m, e = _margin(top, rivals[0], resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, ranked, margin, se, z, slots, min_spread)
+    return Inference(cap.points, ranked, margin, se, z, slots)
 
 
 def _margin(a: Scored, b: Scored, resamples: int, seed: int) -> tuple[float, float]:
