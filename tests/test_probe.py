@@ -5,7 +5,9 @@ with Strata's files removed and the ids deleted or mislabeled; and such drafts t
 from __future__ import annotations
 
 import json
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,8 +182,6 @@ def test_the_probe_weighs_the_drafts_own_training_loss(drafts, pretrained_target
     probe's fit and hits are the training step's loss and accuracy on the probe conversations. And
     the loss tells a wrong reading from the trained one far beyond the probe's noise: the incident's
     (the embedding inserted, the last slot dropped) and sets at either end of the stream."""
-    import torch
-
     from pipeline.draft.model import Layout, draft_to_target
     from pipeline.probe.score import evidence
 
@@ -307,6 +307,9 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
             }
         )
     )
+    for h in logging.getLogger("vllm").handlers:  # bound to this test's captured stdout when its first engine
+        if isinstance(h, logging.StreamHandler):  # started; a `strata --json` process binds it under json_stdout
+            h.setStream(sys.stderr)
     capsys.readouterr()
     assert main(["probe", "--config", str(cfg), "--json"]) == EXIT_BLOCKED
     rep = json.loads(capsys.readouterr().out)  # the whole of stdout: the report
