@@ -307,9 +307,9 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
             }
         )
     )
-    for h in logging.getLogger("vllm").handlers:  # bound to this test's captured stdout when its first engine
-        if isinstance(h, logging.StreamHandler):  # started; a `strata --json` process binds it under json_stdout
-            h.setStream(sys.stderr)
+    for h in logging.getLogger("vllm").handlers:  # bound to a captured stdout when an engine first started here
+        if isinstance(h, logging.StreamHandler):  # (a `strata --json` process binds it under json_stdout);
+            h.stream = sys.stderr  # not setStream: it flushes the old stream, which pytest may have closed
     capsys.readouterr()
     assert main(["probe", "--config", str(cfg), "--json"]) == EXIT_BLOCKED
     rep = json.loads(capsys.readouterr().out)  # the whole of stdout: the report

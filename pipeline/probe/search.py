@@ -67,9 +67,10 @@ class Inference:
 
     @property
     def conclusive(self) -> bool:
-        """Beyond noise over the runner-up. (Greedy agreement needed a second guard -- a draft that barely
-        leaned on its layers could agree more with states it was not trained on, beyond the noise; its
-        own loss, which training minimised, has not shown that on any draft measured.)"""
+        """Beyond noise over the runner-up. Training minimised this very loss on the trained set, so no
+        other guard is needed (greedy agreement, a coarser reading, can favour a set the draft was not
+        trained on beyond the noise: the embedding's clean token identity, on a draft that barely leans
+        on its layers)."""
         return self.margin > self.z * self.margin_se and self.margin > 0
 
     def slot_conclusive(self, e: SlotEvidence) -> bool:
