@@ -198,9 +198,7 @@ def _power(conversations: int, prompts: int, epochs: int = 8) -> list[dict]:
     _extract(root, target, sorted({p for s in POWER_SETS.values() for p in s}), conversations)
     cfg = ProbeConfig.model_validate({"draft": "-", "target": {"path": str(target)}, "prompts": prompts})
     cap = capture_boundaries(target, probe_prompts(cfg))
-    everywhere = torch.zeros(cap.tokens.shape, dtype=torch.bool)
-    for i, L in enumerate(cap.lengths.tolist()):
-        everywhere[i, :L] = True
+    everywhere = torch.arange(cap.tokens.shape[1])[None, :] < cap.lengths[:, None]  # every real position
     out = []
     for name, aux in POWER_SETS.items():
         draft_dir = _draft(root, target, aux, epochs)
