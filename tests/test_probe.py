@@ -278,7 +278,7 @@ def _serving(target: Path) -> dict:
 
 @pytest.mark.vllm
 def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
-    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path, capsys
+    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path, capsys, monkeypatch
 ):
     """speculators-layout drafts served by vLLM: the feed measured at the draft's fc against the
     inferred training set -- the off-by-one config blocked (exit 3) with the ids to write, the
@@ -309,9 +309,12 @@ def test_probe_with_serving_measures_vllm_and_blocks_the_mislabeled_config(
             }
         )
     )
-    for h in logging.getLogger("vllm").handlers:  # bound to a captured stdout when an engine first started here
-        if isinstance(h, logging.StreamHandler):  # (a `strata --json` process binds it under json_stdout);
-            h.stream = sys.stderr  # not setStream: it flushes the old stream, which pytest may have closed
+    # vLLM's own handler is bound to whatever stdout was when vLLM was first imported in this test
+    # process (a `strata --json` process imports it under json_stdout, whose fd 1 is stderr); pytest's
+    # log-capture handlers on the same logger are StreamHandler subclasses and stay as they are.
+    for h in logging.getLogger("vllm").handlers:
+        if type(h) is logging.StreamHandler:
+            monkeypatch.setattr(h, "stream", sys.stderr)  # not setStream: it flushes the old stream
     capsys.readouterr()
     assert main(["probe", "--config", str(cfg), "--json"]) == EXIT_BLOCKED
     rep = json.loads(capsys.readouterr().out)  # the whole of stdout: the report
