@@ -46,4 +46,4 @@ def test_the_readme_stays_a_newcomers_path():
     assert len(README) < 15_000
     first_screen = README[: README.index("## The pipeline")]
     assert "bash .ci/setup && .venv/bin/strata demo" in first_screen
-    assert "bash .ci/setup && .venv/bin/python -m pytest -q -ra" in first_screen
+    assert "bash .ci/setup && .venv/bin/python -m pytest -q -ra --durations=25" in first_screen
