@@ -61,6 +61,7 @@ class ProbeReport(BaseModel):
     margin: float  # pooled fit difference, best - runner-up (nats per token)
     margin_se: float  # bootstrap standard error over prompts
     z: float
+    min_margin: float  # nats per token a conclusion needs beyond z standard errors
     spread: float  # best fit minus the median candidate's (layer dependence)
     slots: list[dict] = []  # per slot, the others held at the best set: its boundary, next best, margin
     evaluated: int  # candidate sets scored

@@ -96,6 +96,13 @@ class ProbeOptions(BaseModel):
     )
     resamples: int = Field(1000, ge=100, description="bootstrap resamples of the prompts")
     z: float = Field(3.0, gt=0, description="margin over its standard error needed for a conclusion")
+    min_margin: float = Field(
+        0.0002,
+        ge=0,
+        description="nats per token the runner-up must fit worse by, beyond z standard errors: sets closer "
+        "than this are a tie however many prompts are used (a draft can fit an adjacent boundary as well as "
+        "its own: 0.00006 measured, against 0.0004-0.01 between a trained set and its nearest rival)",
+    )
     dtype: Literal["float32", "bfloat16"] = "float32"
     candidates: list[list[CapturePoint]] | None = Field(
         None,

@@ -414,14 +414,14 @@ def test_llama_embedding_inserted_cannot_even_be_served_by_0_5_18(llama):
 
 def test_deepseek_first_id_rule_settled_on_the_real_engine(deepseek):
     """SGLang 0.5.18's deepseek_v2.py adds 1 only when the first id is 1: Strata's export [1, 3, 5]
-    and the loop-index list [2, 4, 6] feed the same tensors, r_2, r_4, r_6 (both pass); a list
-    starting at 0 is read as loop indices, so slot 0 gets the embedding."""
+    is fed r_2, r_4, r_6 and passes; a list starting at 0 is read as loop indices, so slot 0 gets
+    the embedding. (A loop-index list such as [2, 4, 6] takes that second branch too:
+    test_conventions covers it; each served configuration here costs ~45 s of CI.)"""
     cfg = json.loads((deepseek.art / "config.json").read_text())
     assert cfg["eagle_config"][AUX_KEY] == [1, 3, 5]
-    for ids in ([1, 3, 5], [2, 4, 6]):
-        r = deepseek.validate(ids)
-        assert r.decision == "pass", (ids, r.reasons)
-        _assert_measured(r, [2, 4, 6])
+    r = deepseek.validate([1, 3, 5])
+    assert r.decision == "pass", r.reasons
+    _assert_measured(r, [2, 4, 6])
     r = deepseek.validate([0, 2, 4])  # every id -1: the embedding inserted, the last slot dropped
     assert r.decision == "block"
     _assert_measured(r, [0, 2, 4])

@@ -202,15 +202,27 @@ def kill_after_first_checkpoint(cfg: dict, tmp_path: Path, cluster: dict) -> int
 
 @pytest.mark.ray
 def test_kill_and_resume_matches_uninterrupted_run(ray_cluster, tiny_target, dataset, tmp_path):
-    kw = dict(epochs=2, max_steps=8, checkpoint_every=4, metrics_every=2, eval_fraction=0.0)  # 5 steps per epoch
-    straight = run_job(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, ray_cluster)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    killed_at = kill_after_first_checkpoint(
-        train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster
-    )
-    assert killed_at == 4
-    resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # 5 steps per epoch; held-out acceptance is not what this checks
+    kw = dict(epochs=2, max_steps=8, checkpoint_every=4, metrics_every=2, eval_fraction=0.0)
+    kw["heldout_acceptance"] = {"prompts": 0}
+    # The uninterrupted run goes beside the killed one (each takes half the cluster's two CPUs):
+    # most of a tiny job is process start and worker-group set-up, which overlap.
+    cmd, env = job_command(train_cfg(tiny_target, dataset, tmp_path / "a", **kw), tmp_path, ray_cluster)
+    straight_log = tmp_path / "straight-job.log"
+    with open(straight_log, "w") as log:
+        straight = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            killed_at = kill_after_first_checkpoint(
+                train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster
+            )
+            assert killed_at == 4
+            resumed = run_job(train_cfg(tiny_target, dataset, tmp_path / "b", **kw), tmp_path, ray_cluster)
+            assert resumed.returncode == 0, resumed.stderr[-3000:]
+            assert straight.wait(timeout=900) == 0, straight_log.read_text()[-3000:]
+        finally:
+            if straight.poll() is None:
+                straight.kill()
+                straight.wait()
     assert "resumed from step-000004 at step 4" in resumed.stderr + resumed.stdout
     a = json.loads((tmp_path / "a/final_metrics.json").read_text())
     b = json.loads((tmp_path / "b/final_metrics.json").read_text())

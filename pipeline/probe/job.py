@@ -149,6 +149,7 @@ def run_probe(cfg: ProbeConfig, progress: bool = True, capture: ProbeCapture | N
             rounds=rounds,
             resamples=cfg.resamples,
             z=cfg.z,
+            min_margin=cfg.min_margin,
             progress=bar,
         )
     finally:
@@ -186,12 +187,23 @@ def _report(
         )
     else:
         verdict = "inconclusive"
-        summary = (
+        lead = (
             f"inconclusive: the best set {', '.join(best.boundaries)} (loss {-inf.pooled(inf.best):.4f} nats per "
-            f"token) leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}, within {cfg.z:g} standard "
-            f"errors ({inf.margin_se:.4f}) -- a draft that barely depends on which of these layers it reads, an "
-            f"untrained draft, the wrong target, or too few prompts ({n_prompts})"
+            f"token) leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}"
         )
+        if inf.beyond_noise:
+            summary = (
+                f"{lead} (+-{inf.margin_se:.4f}), not clearly more than the {inf.min_margin:g} that tells two sets "
+                "apart -- the draft fits both about equally (a draft can read an adjacent boundary as well as its "
+                "own); the training config's layers (trained_on) settle it"
+            )
+        else:
+            summary = (
+                f"{lead}, within {cfg.z:g} standard errors ({inf.margin_se:.4f}) -- a draft that barely depends on "
+                "which of these layers it reads, an untrained draft, the wrong target, or too few prompts "
+                f"({n_prompts})"
+            )
+        summary += _slots_in_words(inf, n)
     notes = list(draft.notes)
     provenance = "inferred" if verdict == "inferred" else None
     declared = None
@@ -230,6 +242,7 @@ def _report(
         margin=round(inf.margin, 5),
         margin_se=round(inf.margin_se, 5),
         z=cfg.z,
+        min_margin=inf.min_margin,
         spread=round(inf.spread, 5),
         slots=[
             {
@@ -246,3 +259,17 @@ def _report(
         claimed_readings=claimed,
         notes=notes,
     )
+
+
+def _slots_in_words(inf: Inference, n: int) -> str:
+    """What an inconclusive answer still pins down: the slots settled, and the ties in the others."""
+    label = [conventions.boundary_label(p, n) for p in inf.points]
+    pinned = [f"slot {e.slot} {label[e.best]}" for e in inf.slots if inf.slot_conclusive(e)]
+    open_ = [
+        f"slot {e.slot} {label[e.best]} or {label[e.runner_up]}"
+        for e in inf.slots
+        if not inf.slot_conclusive(e) and e.runner_up is not None
+    ]
+    if not pinned or not open_:
+        return ""
+    return f"; each slot with the others held: {', '.join(pinned)} settled; {', '.join(open_)}"

@@ -27,7 +27,7 @@ def summary(r: ProbeReport) -> list[str]:
         )
         lines.append(
             f"  slot {e['slot']}, the others as in the best set: {e['boundary']} ({rival})"
-            f"{'' if e['conclusive'] else ', within noise'}"
+            f"{'' if e['conclusive'] else ', not settled'}"
         )
     if r.verdict != "inconclusive":
         for c in r.claimed_readings:

@@ -4,8 +4,9 @@ Candidates first: every reading of the config's ids (each engine release, the tr
 HF), every default, each of those shifted by 1-3 boundaries, and the embedding inserted. Then a
 per-slot search over every boundary from the best so far, until no slot improves. Sets are
 ascending and distinct (what an engine can feed). The margin to the runner-up gets a standard
-error from resampling prompts; within ``z`` of it the answer is "inconclusive". The fit is the draft's
-training objective (``score``): minus the soft cross-entropy per position, in nats.
+error from resampling prompts. A conclusion needs the margin, less ``z`` of its standard errors,
+to exceed ``min_margin``: beyond the noise *and* beyond what a draft can fit equally well. The fit
+is the draft's training objective (``score``): minus the soft cross-entropy per position, in nats.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Inference:
     margin_se: float  # its standard error over resampled prompts
     z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
+    min_margin: float = 0.0  # nats per position the runner-up must be worse by, beyond the noise
 
     @property
     def spread(self) -> float:
@@ -67,15 +69,20 @@ class Inference:
 
     @property
     def conclusive(self) -> bool:
-        """Beyond noise over the runner-up. The fit is the loss training minimised, which removed the
-        guard greedy agreement needed (it favoured the embedding's clean token identity beyond the noise
-        on a draft that barely leaned on its layers). It does not make a best fit the trained set: a
-        draft can fit a slot's adjacent boundary slightly better than its own (~0.0001 nats per token
-        measured), which enough prompts would resolve -- hence z = 3 and the per-slot margins."""
-        return self.margin > self.z * self.margin_se and self.margin > 0
+        """The runner-up fits worse by more than ``min_margin``, at ``z`` standard errors. Beyond the
+        noise is not enough: a draft can fit a slot's adjacent boundary as well as its own, or slightly
+        better (one trained on r_2 fit r_1 better by 0.00006 nats per token), and enough prompts would
+        make that difference "significant" and name a set it was never trained on. A floor on the
+        size keeps such a pair a tie however many prompts are used."""
+        return _beyond(self.margin, self.margin_se, self.z, self.min_margin)
+
+    @property
+    def beyond_noise(self) -> bool:
+        """Beyond the noise alone: with ``conclusive`` false, the margin is too small to tell the sets apart."""
+        return _beyond(self.margin, self.margin_se, self.z, 0.0)
 
     def slot_conclusive(self, e: SlotEvidence) -> bool:
-        return e.runner_up is None or (e.margin > self.z * e.margin_se and e.margin > 0)
+        return e.runner_up is None or _beyond(e.margin, e.margin_se, self.z, self.min_margin)
 
     def set_of(self, s: Scored) -> list[CapturePoint]:
         return [self.points[i] for i in s.aux]
@@ -95,6 +102,10 @@ class Inference:
 
     def pooled(self, s: Scored) -> float:
         return float(s.ev.fit.sum() / s.ev.in_loss.sum().clamp(min=1))
+
+
+def _beyond(margin: float, se: float, z: float, floor: float) -> bool:
+    return margin - z * se > floor
 
 
 def _ascending(aux: Aux) -> bool:
@@ -131,6 +142,7 @@ def infer(
     rounds: int = 4,
     resamples: int = 1000,
     z: float = 3.0,
+    min_margin: float = 0.0,
     seed: int = 0,
     progress=None,
 ) -> Inference:
@@ -186,7 +198,7 @@ def infer(
             continue
         m, e = _margin(top, rivals[0], resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, ranked, margin, se, z, slots)
+    return Inference(cap.points, ranked, margin, se, z, slots, min_margin)
 
 
 def _margin(a: Scored, b: Scored, resamples: int, seed: int) -> tuple[float, float]:

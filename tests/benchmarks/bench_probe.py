@@ -13,6 +13,9 @@ position (what the probe weighed before), with the probe's own verdict beside th
 
     python tests/benchmarks/bench_probe.py                       # depths 6 12 61, tiny targets
     python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60 --rank-sets 0   # smoke
+    # drafts trained longer, probed on 300 prompts, without ranking all 286 sets (the min_margin data):
+    python tests/benchmarks/bench_probe.py --depths --power-epochs 32 --power-prompts 300 --no-rank-all \
+        --out tests/benchmarks/results/probe_power_e32_cpu.json
 """
 
 from __future__ import annotations
@@ -120,15 +123,24 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--depths", type=int, nargs="+", default=[6, 12, 61])
+    ap.add_argument("--depths", type=int, nargs="*", default=[6, 12, 61])
     ap.add_argument("--epochs", type=int, nargs="+", default=[0, 1, 6], help="draft quality: training epochs")
     ap.add_argument("--conversations", type=int, default=240)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--rank-sets", type=int, default=300, help="pretrained-target part: conversations (0: skip it)")
+    ap.add_argument("--power-epochs", type=int, default=8, help="pretrained-target part: draft training epochs")
+    ap.add_argument("--power-prompts", type=int, help="pretrained-target part: probe prompts (default: --prompts)")
+    ap.add_argument(
+        "--no-rank-all", dest="rank_all", action="store_false", help="skip ranking all 286 sets (the probe only)"
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
-    power = _power(args.rank_sets, args.prompts) if args.rank_sets else []
+    power = (
+        _power(args.rank_sets, args.power_prompts or args.prompts, args.power_epochs, args.rank_all)
+        if args.rank_sets
+        else []
+    )
     rows = []
     for n in args.depths:
         root = Path(tempfile.mkdtemp(prefix=f"strata-bench-probe-{n}-"))
@@ -190,8 +202,9 @@ POWER_SETS = {
 }
 
 
-def _power(conversations: int, prompts: int, epochs: int = 8) -> list[dict]:
-    """Each trained set's rank among every set of its size, by the probe's loss and by the old agreement."""
+def _power(conversations: int, prompts: int, epochs: int = 8, rank_all: bool = True) -> list[dict]:
+    """Each trained set's rank among every set of its size, by the probe's loss and by the old agreement
+    (``rank_all``), and the probe's own answer."""
     root = Path(tempfile.mkdtemp(prefix="strata-bench-probe-pretrained-"))
     target = trained_tiny_target(root / "target", PretrainRecipe())
     n = PretrainRecipe().num_layers
@@ -208,7 +221,7 @@ def _power(conversations: int, prompts: int, epochs: int = 8) -> list[dict]:
         on_assistant, on_all = cap.targets(ids), cap.head.targets(cap.final, everywhere, ids)
         trained = tuple(conventions.boundary(CapturePoint.parse(p), n) for p in aux)
         loss, agree = {}, {}
-        for s in itertools.combinations(range(n + 1), len(aux)):
+        for s in itertools.combinations(range(n + 1), len(aux)) if rank_all else ():
             e = evidence(draft, cap, on_assistant, s, cfg.steps)
             loss[s] = float(-e.fit.sum() / e.in_loss.sum())
             e = evidence(draft, cap, on_all, s, cfg.steps)
@@ -218,13 +231,22 @@ def _power(conversations: int, prompts: int, epochs: int = 8) -> list[dict]:
             "set": name,
             "trained_on": [conventions.boundary_label(CapturePoint.parse(p), n) for p in aux],
             "draft_epochs": epochs,
-            "sets": len(loss),
-            "rank_by_loss_on_assistant_tokens": sorted(loss, key=loss.get).index(trained) + 1,
-            "rank_by_agreement_on_every_position": sorted(agree, key=lambda k: -agree[k]).index(trained) + 1,
-            "loss_trained": round(loss[trained], 5),
-            "loss_best_other": round(min(v for k, v in loss.items() if k != trained), 5),
-            "loss_median": round(sorted(loss.values())[len(loss) // 2], 5),
+            "prompts": r.prompts,
+        }
+        if rank_all:
+            row |= {
+                "sets": len(loss),
+                "rank_by_loss_on_assistant_tokens": sorted(loss, key=loss.get).index(trained) + 1,
+                "rank_by_agreement_on_every_position": sorted(agree, key=lambda k: -agree[k]).index(trained) + 1,
+                "loss_trained": round(loss[trained], 5),
+                "loss_best_other": round(min(v for k, v in loss.items() if k != trained), 5),
+                "loss_median": round(sorted(loss.values())[len(loss) // 2], 5),
+            }
+        row |= {
             "probe_verdict": r.verdict,
+            "probe_recovered_trained_set": r.verdict == "inferred" and r.best.boundaries == row["trained_on"],
+            "probe_summary": r.summary,
+            "probe_min_margin": r.min_margin,
             "probe_best": r.best.boundaries,
             "probe_runner_up": r.runner_up.boundaries,
             "probe_margin": r.margin,
