@@ -100,8 +100,8 @@ class ProbeOptions(BaseModel):
         0.0002,
         ge=0,
         description="nats per token the runner-up must fit worse by, beyond z standard errors: sets closer "
-        "than this are a tie however many prompts are used (a draft can fit an adjacent boundary as well as "
-        "its own: 0.00006 measured, against 0.0004-0.01 between a trained set and its nearest rival)",
+        "than this are a tie however many prompts are used (adjacent boundaries in one slot: within 0.0003 "
+        "either way for drafts trained alike; a trained set over its nearest rival: 0.0006 and more)",
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
     candidates: list[list[CapturePoint]] | None = Field(

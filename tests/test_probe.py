@@ -243,11 +243,38 @@ def test_a_shortlist_is_scored_as_given_and_checked(drafts, pretrained_target, p
         _probe(sf, pretrained_target, probe_capture, candidates=[["embedding"], ["layer_output:1"]])
 
 
+def test_a_tie_is_not_decided_by_the_noise_and_the_settled_slots_are_named():
+    """bench_probe's drafts trained 32 epochs on the demo target, 300 prompts: the one trained on r_2,
+    r_6, r_9 fit r_2 better than r_1 by 0.00027 +- 0.00006 nats per token -- beyond the noise, but a
+    difference training itself varies (the same recipe on another split put r_1 ahead), so under the
+    floor it is a tie, and the answer says which slots the evidence does settle. The other two
+    drafts' nearest rivals (0.00062 +- 0.00007, 0.00086 +- 0.00011) clear it."""
+    from pipeline.probe.job import _slots_in_words
+    from pipeline.probe.search import Inference, SlotEvidence
+    from schemas.validation import ProbeOptions
+
+    n, floor = 12, ProbeOptions().min_margin
+    points = [conventions.boundary_point(k, n) for k in range(n + 1)]
+    slots = [
+        SlotEvidence(0, 2, 1, 0.00027, 0.00006),
+        SlotEvidence(1, 6, 5, 0.00272, 0.00017),
+        SlotEvidence(2, 9, 10, 0.00249, 0.00017),
+    ]
+    tie = Inference(points, [], 0.00027, 0.00006, 3.0, slots, floor)
+    assert tie.beyond_noise and not tie.conclusive
+    assert [tie.slot_conclusive(e) for e in slots] == [False, True, True]
+    want = "; each slot with the others held: slot 1 r_6, slot 2 r_9 settled; slot 0 r_2 or r_1"
+    assert _slots_in_words(tie, n) == want
+    assert Inference(points, [], 0.00027, 0.00006, 3.0, slots, 0.0).conclusive  # the noise alone would decide
+    for margin, se in ((0.00062, 0.00007), (0.00086, 0.00011)):
+        assert Inference(points, [], margin, se, 3.0, slots, floor).conclusive
+
+
 def test_a_margin_beyond_the_noise_must_also_clear_the_floor(drafts, pretrained_target, probe_capture, tmp_path):
     """The trained set against the incident's reading of it (the embedding inserted): inferred far
     beyond the noise (~0.06 nats per token) under the default floor; with a floor above that margin
-    the same evidence is a tie, said as such -- never decided by the noise alone, so a pair a draft
-    fits about equally (0.00006 measured for adjacent boundaries) stays a tie however many prompts."""
+    the same evidence is a tie, said as such: never decided by the noise alone, so a pair a draft
+    fits about equally stays a tie however many prompts are used."""
     trained = SETS["another spread"]
     sf = specforge_export(drafts["another spread"], tmp_path / "sf", None, tmp_path / "wheels")
     pair = [[str(p) for p in c] for c in (conventions.embedding_inserted(trained, 12), trained)]

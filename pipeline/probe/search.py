@@ -70,10 +70,10 @@ class Inference:
     @property
     def conclusive(self) -> bool:
         """The runner-up fits worse by more than ``min_margin``, at ``z`` standard errors. Beyond the
-        noise is not enough: a draft can fit a slot's adjacent boundary as well as its own, or slightly
-        better (one trained on r_2 fit r_1 better by 0.00006 nats per token), and enough prompts would
-        make that difference "significant" and name a set it was never trained on. A floor on the
-        size keeps such a pair a tie however many prompts are used."""
+        noise is not enough: a draft can fit a slot's adjacent boundary about as well as its own (drafts
+        trained alike on r_2 fit it 0.0003 nats per token better than r_1, or slightly worse), and
+        enough prompts make any such difference "significant" -- either way round. A floor on the size
+        keeps such a pair a tie however many prompts are used."""
         return _beyond(self.margin, self.margin_se, self.z, self.min_margin)
 
     @property
