@@ -39,6 +39,7 @@ class Candidate(BaseModel):
     boundaries: list[str]  # r_k labels
     agreement: list[float]  # per TTT step: the draft's greedy token is the target's, on assistant tokens
     fit: list[float]  # per TTT step: minus the draft's soft cross-entropy against the target (nats per token)
+    pooled_fit: float  # the same over every step's positions together: what candidates are ranked by
     why: list[str]  # how it became a candidate (a tool's reading, a shift, the search)
 
 

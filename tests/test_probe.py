@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -285,6 +286,27 @@ def test_a_margin_beyond_the_noise_must_also_clear_the_floor(drafts, pretrained_
     assert (tie.margin, tie.margin_se) == (r.margin, r.margin_se)  # the same evidence
     assert tie.verdict == "inconclusive" and "fits both about equally" in tie.summary, tie.summary
     assert f"not clearly more than the {r.margin * 2:g}" in tie.summary, tie.summary
+
+
+def test_the_demo_probes_the_incidents_draft_handed_over_without_stratas_files(drafts, pretrained_target, tmp_path):
+    """``strata demo``'s probe chapter on a draft trained here: Strata's files removed, the incident's
+    ids in its config. It says the probe's answer (never a wrong set) and how much worse the draft
+    fits what vLLM would feed it under that config."""
+    from pipeline.demo.story import chapter_probe
+
+    trained, art = SETS["another spread"], drafts["another spread"]
+    bad = conventions.draft_config_feeding(
+        json.loads((art / "config.json").read_text()), [E, *trained[:-1]], "vllm", 12
+    )
+    (tmp_path / "incident.json").write_text(json.dumps(bad))
+    (tmp_path / "target").symlink_to(pretrained_target)
+    lines: list[str] = []
+    r = chapter_probe(tmp_path, art, tmp_path / "incident.json", [E, *trained[:-1]], lines.append)
+    assert not list((tmp_path / "foreign-draft").glob("strata_*")) and list(art.glob("strata_*"))
+    assert r.verdict in ("inferred", "inconclusive") and (r.verdict == "inconclusive" or r.best.points == trained)
+    assert lines[1] == f"   probe: {r.summary}"
+    gap = re.search(r"config \(measured above\), r_0, r_3, r_7: (\d+\.\d+) nats per token worse", "\n".join(lines))
+    assert gap and float(gap.group(1)) > 0.01, lines
 
 
 def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(

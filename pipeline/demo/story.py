@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from pipeline.data.stdlib import write_conversations
 from pipeline.demo.pretrain import RECORD, trained_tiny_target
 from pipeline.extract.job import run_extract
 from pipeline.identity import target_identity
+from pipeline.probe.job import run_probe
 from pipeline.regenerate.job import run_regenerate
 from pipeline.registry.registry import Registry
 from pipeline.store.objects import LocalStore
@@ -31,8 +33,9 @@ from pipeline.validate.report import summary
 from schemas.acceptance import HeldoutAcceptance
 from schemas.artifact import ARTIFACT_CONFIG, ARTIFACT_MANIFEST, DraftArtifactManifest
 from schemas.capture import CapturePoint
-from schemas.config import load_config
+from schemas.config import TargetConfig, load_config
 from schemas.extract import ExtractConfig
+from schemas.probe import ProbeConfig, ProbeReport
 from schemas.regenerate import RegenerateConfig, RegenerationRecord
 from schemas.train import TrainConfig
 from schemas.validation import Cost, ValidateConfig, ValidationReport
@@ -225,6 +228,8 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
         f"{'still points at the passing draft' if unmoved else 'CHANGED'}"
         + (f" ({before.artifact_digest[:16]})" if before else "")
     )
+    fed = [s.fed for s in bad.slots if s.fed]
+    chapter_probe(root, art, root / "misconfigured-config.json", fed, say, root / "regenerated" / "conversations.jsonl")
     ok = good.decision == "pass" and bad.decision == "block" and unmoved
     if sglang:
         ok = _chapter_sglang(root, registry, say)[0] and ok
@@ -326,6 +331,39 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
     )
     r = run_validate(load_config(bad, ValidateConfig).model_copy(update={"registry": str(registry)}))
     _say_verdict(say, r)
+    say(f"   [{time.perf_counter() - t:.0f} s]")
+    return r
+
+
+def chapter_probe(
+    root: Path, art: Path, config: Path, fed: list[CapturePoint], say, conversations: Path | None = None
+) -> ProbeReport:
+    """The incident's draft as a team would receive it from elsewhere: Strata's files removed, the
+    misconfigured ids in its config. The probe asks the draft itself, on ``conversations`` (the team's
+    own; default the stdlib ones), which layers it reads best, and how much worse it fits ``fed`` (what
+    the engine feeds under that config)."""
+    t = time.perf_counter()
+    foreign = root / "foreign-draft"
+    shutil.rmtree(foreign, ignore_errors=True)
+    shutil.copytree(art, foreign, ignore=shutil.ignore_patterns("strata_*"))
+    shutil.copyfile(config, foreign / ARTIFACT_CONFIG)
+    target = root / "target"
+    on = f" --conversations {conversations}" if conversations else ""
+    say(f"\n== the same draft without Strata's files: strata probe --draft {foreign} --target {target}{on}")
+    cfg = ProbeConfig(
+        draft=str(foreign),
+        target=TargetConfig(path=str(target)),
+        conversations=str(conversations) if conversations else None,
+    )
+    r = run_probe(cfg, progress=False).report
+    say(f"   probe: {r.summary}")
+    for c in r.claimed_readings:
+        if c["fit"] is not None and c["points"] == [str(p) for p in fed]:
+            say(
+                f"   what the engine feeds under that config (measured above), {', '.join(c['boundaries'])}: "
+                f"{r.best.pooled_fit - c['fit']:.3f} nats per token worse than the best set"
+            )
+            break
     say(f"   [{time.perf_counter() - t:.0f} s]")
     return r
 

@@ -103,6 +103,7 @@ def _candidate(inf: Inference, s: Scored) -> Candidate:
         boundaries=[conventions.boundary_label(p, n) for p in pts],
         agreement=[round(a, 4) for a in inf.agreement(s)],
         fit=[round(f, 5) for f in inf.fit(s)],
+        pooled_fit=round(inf.pooled(s), 5),
         why=s.why,
     )
 
@@ -196,14 +197,13 @@ def _report(
                 f"{lead} (+-{inf.margin_se:.4f}), not clearly more than the {inf.min_margin:g} that tells two sets "
                 "apart -- the draft fits both about equally (a draft can read an adjacent boundary as well as its "
                 "own); the training config's layers (trained_on) settle it"
-            )
+            ) + _slots_in_words(inf, n)
         else:
             summary = (
                 f"{lead}, within {cfg.z:g} standard errors ({inf.margin_se:.4f}) -- a draft that barely depends on "
                 "which of these layers it reads, an untrained draft, the wrong target, or too few prompts "
                 f"({n_prompts})"
             )
-        summary += _slots_in_words(inf, n)
     notes = list(draft.notes)
     provenance = "inferred" if verdict == "inferred" else None
     declared = None
@@ -262,7 +262,9 @@ def _report(
 
 
 def _slots_in_words(inf: Inference, n: int) -> str:
-    """What an inconclusive answer still pins down: the slots settled, and the ties in the others."""
+    """What a tie still pins down: the slots settled, and the ties in the others. Only said when the
+    best set leads beyond the noise: each slot's margin is taken with the others held at the best set,
+    which, within the noise, may itself be off (a slot then "settles" on a neighbour's behalf)."""
     label = [conventions.boundary_label(p, n) for p in inf.points]
     pinned = [f"slot {e.slot} {label[e.best]}" for e in inf.slots if inf.slot_conclusive(e)]
     open_ = [
