@@ -303,7 +303,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     cfg = _probe_config(args)
     args.registry = args.registry or cfg.registry
     probe = run_probe(cfg, progress=not args.json)
-    if probe.trained is None:
+    if probe.admissible is None:
         return _fail(f"strata: not imported: {probe.report.summary}", EXIT_INCONCLUSIVE, args.json)
     reg = _registry(args)
     with tempfile.TemporaryDirectory(prefix="strata-import-") as tmp:
@@ -313,6 +313,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         "imported": digest,
         "registry": reg.store.uri,
         "trained_points": [str(p) for p in manifest.aux_capture_points],
+        "open_slots": {str(j): [str(p) for p in alts] for j, alts in enumerate(manifest.aux_alternatives) if alts},
         "provenance": manifest.provenance,
         "probe": probe.report.summary,
     }

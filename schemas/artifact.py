@@ -26,6 +26,9 @@ class DraftArtifactManifest(BaseModel):
     serving_engine: Literal["sglang", "vllm"]
     engine_family: str | None = None  # SGLang rule architecture (LlamaForCausalLM, DeepseekV3ForCausalLM)
     aux_capture_points: list[CapturePoint]  # slot order (ascending along the forward pass)
+    # per slot, other points an imported draft may as well have been trained on (a tie the probe left
+    # open, provenance "inferred"); the gate accepts a feed of any of them. [] or all empty: none
+    aux_alternatives: list[list[CapturePoint]] = []
     aux_layer_ids: list[int]  # what config.json carries, in this engine's convention
     aux_layer_ids_convention: str
     engine_release: str | None = None  # the release the ids were written for

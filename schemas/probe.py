@@ -65,6 +65,9 @@ class ProbeReport(BaseModel):
     min_margin: float  # nats per token a conclusion needs beyond z standard errors
     spread: float  # best fit minus the median candidate's (layer dependence)
     slots: list[dict] = []  # per slot, the others held at the best set: its boundary, next best, margin
+    # per slot, the boundaries the draft may have been trained on (several where a tie leaves the slot
+    # open): what a deployment may feed it; None within the noise
+    admissible: list[list[str]] | None = None
     evaluated: int  # candidate sets scored
     claimed_readings: list[dict]  # who reads the config how, and the draft's fit fed that
     serving: dict | None = None  # what the deployment feeds (measured or by rule) and the fix

@@ -169,6 +169,9 @@ class SlotCheck(BaseModel):
     best: str
     ok: bool
     message: str
+    # an imported draft's tie: every point the slot may have been trained on (``trained`` is the one
+    # the feed was checked against: the match, else the probe's best); [] when the slot is settled
+    could_be: list[CapturePoint] = []
 
 
 class Check(BaseModel):

@@ -248,10 +248,10 @@ def test_a_tie_is_not_decided_by_the_noise_and_the_settled_slots_are_named():
     """bench_probe's drafts trained 32 epochs on the demo target, 300 prompts: the one trained on r_2,
     r_6, r_9 fit r_2 better than r_1 by 0.00027 +- 0.00006 nats per token -- beyond the noise, but a
     difference training itself varies (the same recipe on another split put r_1 ahead), so under the
-    floor it is a tie, and the answer says which slots the evidence does settle. The other two
-    drafts' nearest rivals (0.00062 +- 0.00007, 0.00086 +- 0.00011) clear it."""
+    floor it is a tie, and the answer says what the evidence does settle: per slot, what a deployment
+    may feed. The other two drafts' nearest rivals (0.00062 +- 0.00007, 0.00086 +- 0.00011) clear it."""
     from pipeline.probe.job import _slots_in_words
-    from pipeline.probe.search import Inference, SlotEvidence
+    from pipeline.probe.search import Inference, Scored, SlotEvidence
     from schemas.validation import ProbeOptions
 
     n, floor = 12, ProbeOptions().min_margin
@@ -261,14 +261,40 @@ def test_a_tie_is_not_decided_by_the_noise_and_the_settled_slots_are_named():
         SlotEvidence(1, 6, 5, 0.00272, 0.00017),
         SlotEvidence(2, 9, 10, 0.00249, 0.00017),
     ]
-    tie = Inference(points, [], 0.00027, 0.00006, 3.0, slots, floor)
+    best, rival, far = Scored((2, 6, 9), None), Scored((1, 6, 9), None), Scored((2, 5, 9), None)  # type: ignore[arg-type]
+    tie = Inference(points, [best, rival, far], 0.00027, 0.00006, 3.0, slots, floor, ties=[rival])
     assert tie.beyond_noise and not tie.conclusive
     assert [tie.slot_conclusive(e) for e in slots] == [False, True, True]
-    want = "; each slot with the others held: slot 1 r_6, slot 2 r_9 settled; slot 0 r_2 or r_1"
+    assert tie.admissible == [[2, 1], [6], [9]]  # the rival's slot 0 admitted; the far set's r_5 is not
+    want = "; the evidence settles slot 1 r_6, slot 2 r_9 and leaves slot 0 r_2 or r_1"
     assert _slots_in_words(tie, n) == want
-    assert Inference(points, [], 0.00027, 0.00006, 3.0, slots, 0.0).conclusive  # the noise alone would decide
+    noise = Inference(points, [best, rival], 0.00027, 0.0001, 3.0, slots, floor, ties=[rival])
+    assert noise.admissible is None and _slots_in_words(noise, n) == ""  # within the noise nothing is settled
+    sure = Inference(points, [best, rival], 0.00027, 0.00006, 3.0, slots, 0.0)
+    assert sure.conclusive and sure.admissible == [[2], [6], [9]]  # the noise alone would decide
     for margin, se in ((0.00062, 0.00007), (0.00086, 0.00011)):
-        assert Inference(points, [], margin, se, 3.0, slots, floor).conclusive
+        assert Inference(points, [best, rival], margin, se, 3.0, slots, floor).conclusive
+
+
+def test_the_gate_accepts_a_feed_of_any_point_a_tie_leaves_open():
+    """An imported draft whose slot 0 the probe left as r_2 or r_1: fed either, the slot passes,
+    saying it is one of a tie; fed r_3, it is blocked naming both."""
+    from pipeline.validate.gate import check_slots
+    from schemas.validation import Tolerances
+
+    n, g = 4, torch.Generator().manual_seed(0)
+    replayed = {str(b): torch.randn(50, 16, generator=g) for b in conventions.all_boundaries(n)}
+    r = [conventions.boundary_point(k, n) for k in range(n + 1)]
+    trained, alts = [r[2], r[3]], [[r[1]], []]
+    fp = {str(p): replayed[str(p)] for p in (r[1], r[2], r[3])}
+    for fed, ok in (([r[2], r[3]], [True, True]), ([r[1], r[3]], [True, True]), ([r[3], r[3]], [False, True])):
+        got = check_slots(trained, fed, fp, replayed, n, Tolerances(), alternatives=alts)
+        assert [x.ok for x in got] == ok, [x.message for x in got]
+        assert got[0].could_be == [r[2], r[1]] and got[1].could_be == []
+        assert "one of o_1 (r_2), o_0 (r_1), which the probe could not tell apart" in got[0].message
+        assert got[0].trained == (fed[0] if ok[0] else r[2])  # the point the feed matched, else the best
+    assert "nor is it any other" in got[0].message and "which the probe" not in got[1].message
+    assert [x.ok for x in check_slots(trained, [r[1], r[3]], fp, replayed, n, Tolerances())] == [False, True]
 
 
 def test_a_margin_beyond_the_noise_must_also_clear_the_floor(drafts, pretrained_target, probe_capture, tmp_path):
@@ -286,6 +312,61 @@ def test_a_margin_beyond_the_noise_must_also_clear_the_floor(drafts, pretrained_
     assert (tie.margin, tie.margin_se) == (r.margin, r.margin_se)  # the same evidence
     assert tie.verdict == "inconclusive" and "fits both about equally" in tie.summary, tie.summary
     assert f"not clearly more than the {r.margin * 2:g}" in tie.summary, tie.summary
+
+
+def test_a_tie_is_imported_and_gated_on_what_it_leaves_open(drafts, pretrained_target, probe_capture, tmp_path):
+    """The floor test's pair made a tie (the floor above its margin): each slot is left as "the trained
+    point or the embedding-inserted reading's". Validation and import go ahead on that: the manifest keeps
+    each slot's alternatives, a deployment feeding either reading passes, one feeding neither (+1) is
+    blocked with both named and the ids that feed the best set."""
+    from pipeline.cli import main
+    from pipeline.registry.registry import Registry
+    from pipeline.store.objects import LocalStore
+    from pipeline.validate.job import run_validate
+    from schemas.artifact import DraftArtifactManifest
+    from schemas.validation import ValidateConfig
+
+    trained, work, n = SETS["another spread"], tmp_path / "wheels", 12
+    inserted = conventions.embedding_inserted(trained, n)
+    sf = specforge_export(drafts["another spread"], tmp_path / "sf", None, work)
+    pair = [[str(p) for p in c] for c in (inserted, trained)]
+    floor = 2 * _probe(sf, pretrained_target, probe_capture, candidates=pair).report.margin
+    probe = {"candidates": pair, "min_margin": floor}
+    tie = _probe(sf, pretrained_target, probe_capture, **probe)
+    assert tie.report.verdict == "inconclusive" and tie.trained is None
+    assert tie.admissible == [[a, b] for a, b in zip(trained, inserted, strict=True)], tie.report.admissible
+    assert "the evidence leaves slot 0 r_3 or r_0, slot 1 r_7 or r_3, slot 2 r_11 or r_7" in tie.report.summary
+
+    def gate(points):
+        d = speculators_export(
+            sf, tmp_path / f"hub-{len(list(tmp_path.iterdir()))}", pretrained_target,
+            conventions.aux_ids_for(points, "vllm", n), work, vocab_buffers=False,
+        )  # fmt: skip
+        serving = {**_serving(pretrained_target), "replay": "hf"}
+        return d, run_validate(
+            ValidateConfig.model_validate(
+                {"artifact": str(d), "serving": serving, "cost": False, "acceptance_prompts": 2, "probe": probe}
+            )
+        )
+
+    d, ok = gate(trained)
+    assert ok.decision == "pass", ok.reasons
+    assert [s.could_be for s in ok.slots] == [[a, b] for a, b in zip(trained, inserted, strict=True)]
+    assert ok.provenance["open_slots"] == {str(j): [str(trained[j]), str(inserted[j])] for j in range(3)}
+    assert gate(inserted)[1].decision == "pass"  # the tie admits the other reading as well
+    bad = gate(conventions.shifted(trained, 1, n))[1]
+    assert bad.decision == "block" and [s.ok for s in bad.slots] == [False, False, False]
+    assert "nor is it any other it may have been trained on (one of o_2 (r_3), embedding (r_0)" in bad.reasons[0]
+    assert f"write top-level {conventions.AUX_KEY}={conventions.aux_ids_for(trained, 'vllm', n)}" in bad.reasons[-1]
+
+    cfg = tmp_path / "import.json"
+    cfg.write_text(json.dumps({"draft": str(d), "target": {"path": str(pretrained_target)}, **probe}))
+    assert main(["import", "--config", str(cfg), "--registry", str(tmp_path / "reg")]) == 0
+    reg = Registry(LocalStore(tmp_path / "reg"))
+    (digest,) = [p.split("/")[1] for p in reg.store.list("artifacts/") if p.endswith("strata_artifact.json")]
+    m = DraftArtifactManifest.model_validate_json(reg.store.get(f"artifacts/{digest}/strata_artifact.json")[0])
+    assert m.provenance == "inferred" and m.aux_capture_points == trained
+    assert m.aux_alternatives == [[p] for p in inserted] and m.probe["admissible"] == tie.report.admissible
 
 
 def test_the_demo_probes_the_incidents_draft_handed_over_without_stratas_files(drafts, pretrained_target, tmp_path):
@@ -307,6 +388,18 @@ def test_the_demo_probes_the_incidents_draft_handed_over_without_stratas_files(d
     assert lines[1] == f"   probe: {r.summary}"
     gap = re.search(r"config \(measured above\), r_0, r_3, r_7: (\d+\.\d+) nats per token worse", "\n".join(lines))
     assert gap and float(gap.group(1)) > 0.01, lines
+    # a tie between the trained set and the incident's reading: a feed of neither is still judged
+    pair = [[str(p) for p in c] for c in ([E, *trained[:-1]], trained)]
+    lines.clear()
+    off = conventions.shifted(trained, 1, 12)
+    r = chapter_probe(
+        tmp_path, art, tmp_path / "incident.json", off, lines.append, options={"candidates": pair, "min_margin": 1.0}
+    )
+    assert r.verdict == "inconclusive" and r.admissible == [["r_3", "r_0"], ["r_7", "r_3"], ["r_11", "r_7"]], r.summary
+    assert lines[-2] == (
+        "   the tie still settles enough to judge that config: slot 0 r_4 is none of r_3, r_0; slot 1 r_8 is none of "
+        "r_7, r_3; slot 2 r_12 is none of r_11, r_7 -- strata validate on this directory blocks it"
+    ), lines
 
 
 def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(

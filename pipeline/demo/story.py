@@ -336,12 +336,19 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
 
 
 def chapter_probe(
-    root: Path, art: Path, config: Path, fed: list[CapturePoint], say, conversations: Path | None = None
+    root: Path,
+    art: Path,
+    config: Path,
+    fed: list[CapturePoint],
+    say,
+    conversations: Path | None = None,
+    options: dict | None = None,
 ) -> ProbeReport:
     """The incident's draft as a team would receive it from elsewhere: Strata's files removed, the
     misconfigured ids in its config. The probe asks the draft itself, on ``conversations`` (the team's
-    own; default the stdlib ones), which layers it reads best, and how much worse it fits ``fed`` (what
-    the engine feeds under that config)."""
+    own; default the stdlib ones), which layers it reads best, how much worse it fits ``fed`` (what
+    the engine feeds under that config) and, in a tie, whether ``fed`` is among what the tie leaves
+    open. ``options``: more of the probe's options (``ProbeOptions``)."""
     t = time.perf_counter()
     foreign = root / "foreign-draft"
     shutil.rmtree(foreign, ignore_errors=True)
@@ -354,6 +361,7 @@ def chapter_probe(
         draft=str(foreign),
         target=TargetConfig(path=str(target)),
         conversations=str(conversations) if conversations else None,
+        **(options or {}),
     )
     r = run_probe(cfg, progress=False).report
     say(f"   probe: {r.summary}")
@@ -364,6 +372,21 @@ def chapter_probe(
                 f"{r.best.pooled_fit - c['fit']:.3f} nats per token worse than the best set"
             )
             break
+    if r.verdict == "inconclusive" and r.admissible is not None:  # a tie: what it settles still judges the feed
+        n = r.num_layers
+        off = [
+            f"slot {j} {conventions.boundary_label(p, n)} is none of {', '.join(ks)}"
+            for j, (p, ks) in enumerate(zip(fed, r.admissible, strict=False))
+            if conventions.boundary_label(p, n) not in ks
+        ]
+        say(
+            "   the tie still settles enough to judge that config: "
+            + (
+                f"{'; '.join(off)} -- strata validate on this directory blocks it"
+                if off
+                else "it feeds what the draft may have been trained on"
+            )
+        )
     say(f"   [{time.perf_counter() - t:.0f} s]")
     return r
 

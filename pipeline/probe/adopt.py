@@ -1,7 +1,8 @@
 """A draft trained elsewhere as a Strata artifact: its own files byte for byte, plus a manifest
 whose trained points are the probe's inference (provenance ``inferred``, the evidence beside it)
 and fingerprints of those points computed on the probe prompts, so the gate can measure a feed
-against them exactly as for a draft trained here."""
+against them exactly as for a draft trained here. A tie the probe leaves open in a slot is kept
+as that slot's alternatives (fingerprinted too): the gate accepts a feed of any of them."""
 
 from __future__ import annotations
 
@@ -49,19 +50,21 @@ def _weights_file(d: Path) -> Path:
 
 
 def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
-    """Write the imported artifact to ``out_dir`` (atomically); refuses an inconclusive probe."""
+    """Write the imported artifact to ``out_dir`` (atomically); refuses a probe within the noise."""
     r, d = probe.report, probe.draft
-    points = probe.trained
-    if points is None:
+    admissible = probe.admissible
+    if admissible is None:
         raise ForeignDraftError(
             f"{d.directory}: cannot import a draft whose training layers are not known: {r.summary}"
         )
+    points = [ks[0] for ks in admissible]
+    alternatives = [ks[1:] for ks in admissible] if any(len(ks) > 1 for ks in admissible) else []
     n = r.num_layers
     engine = "sglang" if f"eagle_config.{conventions.AUX_KEY}" in d.claimed else "vllm"  # whose key it writes
     tcfg = probe.cfg.target
     ident = target_identity(tcfg.path, tcfg.name, tcfg.revision)
     family = conventions.engine_family(engine, target_config(tcfg.path))
-    fp = probe_fingerprints(probe, points)
+    fp = probe_fingerprints(probe, list(dict.fromkeys(p for ks in admissible for p in ks)))
     with atomic_dir(Path(out_dir)) as tmp:
         shutil.copyfile(_weights_file(d.directory), tmp / ARTIFACT_WEIGHTS)
         shutil.copyfile(d.directory / ARTIFACT_CONFIG, tmp / ARTIFACT_CONFIG)
@@ -84,6 +87,7 @@ def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
                 "claimed",
                 "claimed_readings",
                 "declared",
+                "admissible",
                 "verdict",
             )
         }
@@ -95,6 +99,7 @@ def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
             serving_engine=engine,  # type: ignore[arg-type]
             engine_family=family if engine == "sglang" else None,
             aux_capture_points=points,
+            aux_alternatives=alternatives,
             aux_layer_ids=ids or [],
             aux_layer_ids_convention="as found in the imported config (not written by Strata)",
             ids_valid_for=conventions.releases_reading(d.config, points, engine, family, n),

@@ -37,10 +37,21 @@ class Probe:
 
     @property
     def trained(self) -> list[CapturePoint] | None:
-        """What the gate checks a deployment against: the declared points, else a conclusive inference."""
+        """The declared points, else a conclusive inference; None when no one set is known."""
         if self.cfg.trained_on:
             return self.report.declared
         return self.inference.set_of(self.inference.best) if self.inference.conclusive else None
+
+    @property
+    def admissible(self) -> list[list[CapturePoint]] | None:
+        """What the gate checks a deployment against: per slot, the points the draft may have been
+        trained on -- one each when declared or inferred, several in a slot a tie leaves open; None
+        within the noise."""
+        if self.cfg.trained_on:
+            assert self.report.declared is not None
+            return [[p] for p in self.report.declared]
+        adm = self.inference.admissible
+        return None if adm is None else [[self.inference.points[k] for k in ks] for ks in adm]
 
 
 def probe_prompts(cfg: ProbeConfig) -> list[Encoded]:
@@ -244,6 +255,9 @@ def _report(
         z=cfg.z,
         min_margin=inf.min_margin,
         spread=round(inf.spread, 5),
+        admissible=None
+        if (adm := inf.admissible) is None
+        else [[conventions.boundary_label(inf.points[k], n) for k in ks] for ks in adm],
         slots=[
             {
                 "slot": e.slot,
@@ -262,16 +276,15 @@ def _report(
 
 
 def _slots_in_words(inf: Inference, n: int) -> str:
-    """What a tie still pins down: the slots settled, and the ties in the others. Only said when the
-    best set leads beyond the noise: each slot's margin is taken with the others held at the best set,
-    which, within the noise, may itself be off (a slot then "settles" on a neighbour's behalf)."""
-    label = [conventions.boundary_label(p, n) for p in inf.points]
-    pinned = [f"slot {e.slot} {label[e.best]}" for e in inf.slots if inf.slot_conclusive(e)]
-    open_ = [
-        f"slot {e.slot} {label[e.best]} or {label[e.runner_up]}"
-        for e in inf.slots
-        if not inf.slot_conclusive(e) and e.runner_up is not None
-    ]
-    if not pinned or not open_:
+    """What a tie still pins down: the slots settled, and the boundaries each other slot may be fed.
+    Said only in a tie beyond the noise (``Inference.admissible``)."""
+    adm = inf.admissible
+    if adm is None:
         return ""
-    return f"; each slot with the others held: {', '.join(pinned)} settled; {', '.join(open_)}"
+    label = [conventions.boundary_label(p, n) for p in inf.points]
+    pinned = [f"slot {j} {label[ks[0]]}" for j, ks in enumerate(adm) if len(ks) == 1]
+    open_ = [f"slot {j} {' or '.join(label[k] for k in ks)}" for j, ks in enumerate(adm) if len(ks) > 1]
+    if not open_:
+        return ""
+    settles = f"settles {', '.join(pinned)} and " if pinned else ""
+    return f"; the evidence {settles}leaves {', '.join(open_)}"

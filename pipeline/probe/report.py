@@ -29,6 +29,9 @@ def summary(r: ProbeReport) -> list[str]:
             f"  slot {e['slot']}, the others as in the best set: {e['boundary']} ({rival})"
             f"{'' if e['conclusive'] else ', not settled'}"
         )
+    if r.admissible and any(len(ks) > 1 for ks in r.admissible):
+        feeds = ", ".join(f"slot {j} {' or '.join(ks)}" for j, ks in enumerate(r.admissible))
+        lines.append(f"  what a deployment may feed, the tie left open: {feeds} (the gate accepts any of these)")
     if r.verdict != "inconclusive":
         for c in r.claimed_readings:
             if c["fit"] is None:
@@ -43,8 +46,9 @@ def summary(r: ProbeReport) -> list[str]:
             lines.append(f"  serving: not compared ({r.serving['not_compared']})")
         else:
             for s in r.serving["slots"]:
+                trained = " or ".join(s["could_be"]) or s["trained"]
                 lines.append(
-                    f"  slot {s['slot']}: trained on {s['trained']}, fed {s['fed']} ({s['fed_by']})"
+                    f"  slot {s['slot']}: trained on {trained}, fed {s['fed']} ({s['fed_by']})"
                     f"{'' if s['ok'] else '  <-- wrong'}"
                 )
             lines += [f"  - {x}" for x in r.reasons]

@@ -7,6 +7,8 @@ ascending and distinct (what an engine can feed). The margin to the runner-up ge
 error from resampling prompts. A conclusion needs the margin, less ``z`` of its standard errors,
 to exceed ``min_margin``: beyond the noise *and* beyond what a draft can fit equally well. The fit
 is the draft's training objective (``score``): minus the soft cross-entropy per position, in nats.
+A tie beyond the noise still settles something: per slot, the boundaries of the sets the best does
+not clear by the floor (``Inference.admissible``) -- what a deployment may feed that slot.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Inference:
     z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
     min_margin: float = 0.0  # nats per position the runner-up must be worse by, beyond the noise
+    ties: list[Scored] = field(default_factory=list)  # the sets the best does not clear by min_margin
 
     @property
     def spread(self) -> float:
@@ -80,6 +83,23 @@ class Inference:
     def beyond_noise(self) -> bool:
         """Beyond the noise alone: with ``conclusive`` false, the margin is too small to tell the sets apart."""
         return _beyond(self.margin, self.margin_se, self.z, 0.0)
+
+    @property
+    def admissible(self) -> list[list[int]] | None:
+        """Per slot, the boundaries the draft may have been trained on, best first: the best set's alone
+        when conclusive; in a tie beyond the noise, also those of every set tied with it (each slot judged
+        apart, so a mix of two tied sets is admitted too); None within the noise, where even the best
+        set may be off and nothing is settled."""
+        if self.conclusive:
+            return [[k] for k in self.best.aux]
+        if not self.beyond_noise:
+            return None
+        out = [[k] for k in self.best.aux]
+        for s in self.ties:
+            for slot, k in zip(out, s.aux, strict=True):
+                if k not in slot:
+                    slot.append(k)
+        return out
 
     def slot_conclusive(self, e: SlotEvidence) -> bool:
         return e.runner_up is None or _beyond(e.margin, e.margin_se, self.z, self.min_margin)
@@ -186,6 +206,7 @@ def infer(
         raise ValueError("the probe needs at least two candidate aux sets")
     margin, se = _margin(ranked[0], ranked[1], resamples, seed)
     top = ranked[0]
+    ties = [x for x in ranked[1:] if not _beyond(*_margin(top, x, resamples, seed), z, min_margin)]
     slots = []
     for j in range(n_aux):  # which slots the evidence pins down, and which the draft barely uses
         rivals = [
@@ -198,7 +219,7 @@ def infer(
             continue
         m, e = _margin(top, rivals[0], resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, ranked, margin, se, z, slots, min_margin)
+    return Inference(cap.points, ranked, margin, se, z, slots, min_margin, ties)
 
 
 def _margin(a: Scored, b: Scored, resamples: int, seed: int) -> tuple[float, float]:

@@ -114,6 +114,11 @@ class Case:
     def trained(self) -> list[CapturePoint]:
         return list(self.manifest.aux_capture_points)
 
+    @property
+    def alternatives(self) -> list[list[CapturePoint]]:
+        """Per slot, the other points an imported draft may have been trained on ([]: none)."""
+        return [list(a) for a in self.manifest.aux_alternatives]
+
 
 def load_case(cfg: ValidateConfig) -> Case:
     """Everything validation needs before any engine starts; ValidationInputError when unusable."""

@@ -123,6 +123,11 @@ def provenance(m: DraftArtifactManifest) -> dict:
         )
         return {
             "trained_points": how,
+            "open_slots": {
+                str(j): [str(x) for x in [m.aux_capture_points[j], *alts]]
+                for j, alts in enumerate(m.aux_alternatives)
+                if alts
+            },
             "margin": p.get("margin"),
             "margin_se": p.get("margin_se"),
             "summary": p.get("summary"),
@@ -147,7 +152,16 @@ def slot_table(
                 f"{s.engine} {case.release} has no derived rule and its feed was not measured "
                 f"({why}): nothing says what it feeds the draft",
             ]
-        slots = check_slots(trained, predicted, fp.sketches, replayed, n, cfg.tolerances, predicted=predicted)
+        slots = check_slots(
+            trained,
+            predicted,
+            fp.sketches,
+            replayed,
+            n,
+            cfg.tolerances,
+            predicted=predicted,
+            alternatives=case.alternatives,
+        )
         return served, slots, Feed(not_measured=why), reasons
 
     servable = (
@@ -191,6 +205,7 @@ def slot_table(
         fed_by="measured",
         predicted=predicted,
         unmatched=unmatched,
+        alternatives=case.alternatives,
     )
     return served, slots, feed, reasons
 

@@ -32,7 +32,7 @@ def import_for_validation(cfg: ValidateConfig) -> Path:
         ),
         progress=False,
     )
-    if probe.trained is None:
+    if probe.admissible is None:
         raise ValidationInputError(
             f"{art}: a draft trained elsewhere, and which layers it was trained on is not known: {probe.report.summary}"
         )
@@ -44,13 +44,14 @@ def import_for_validation(cfg: ValidateConfig) -> Path:
 
 def compare_with_serving(probe: Probe) -> None:
     """The gate on the draft as imported (inferred provenance): what the deployment feeds against the
-    inferred training set; fills ``report.serving`` and turns the verdict into pass or block."""
+    inferred training set -- in a tie, against what each slot may have been trained on; fills
+    ``report.serving`` and turns the verdict into pass or block."""
     from pipeline.validate.job import run_validate
 
     r, s = probe.report, probe.cfg.serving
     assert s is not None
-    if probe.trained is None:
-        r.serving = {"not_compared": "the training set is not known (inconclusive)"}
+    if probe.admissible is None:
+        r.serving = {"not_compared": "the training set is not known (inconclusive within the noise)"}
         return
     with tempfile.TemporaryDirectory(prefix="strata-probe-") as tmp:
         art = Path(tmp) / "draft"
@@ -63,6 +64,7 @@ def compare_with_serving(probe: Probe) -> None:
         {
             "slot": x.slot,
             "trained": str(x.trained),
+            "could_be": [str(p) for p in x.could_be],
             "fed": str(x.fed) if x.fed else None,
             "fed_by": x.fed_by,
             "ok": x.ok,

@@ -141,9 +141,8 @@ def write_report(r: ValidationReport, n: int, out: Path) -> None:
             v = s.errors.get(name)
             cells.append("n/c" if v is None else f"**{v:.3f}**" if name == s.best else f"{v:.3f}")
         fed = label(s.fed, n) if s.fed else "-"
-        lines.append(
-            f"| {s.slot} {'ok' if s.ok else 'BAD'} | {label(s.trained, n)} | {fed} | " + " | ".join(cells) + " |"
-        )
+        trained = " or ".join(label(p, n) for p in s.could_be) if s.could_be else label(s.trained, n)
+        lines.append(f"| {s.slot} {'ok' if s.ok else 'BAD'} | {trained} | {fed} | " + " | ".join(cells) + " |")
     lines += ["", "![slot x boundary error](heatmap.png)", "", "## Identity", ""]
     lines += [f"- {'ok' if c.ok else 'MISMATCH'}: {c.message}" for c in r.identity]
     lines += [

@@ -16,6 +16,9 @@ position (what the probe weighed before), with the probe's own verdict beside th
     # drafts trained longer, probed on 300 prompts, without ranking all 286 sets (the min_margin data):
     python tests/benchmarks/bench_probe.py --depths --power-epochs 32 --power-prompts 300 --no-rank-all \
         --out tests/benchmarks/results/probe_power_e32_cpu.json
+    # the same with three training seeds per set (init and data order): how much the verdict varies
+    python tests/benchmarks/bench_probe.py --depths --power-epochs 32 --power-prompts 300 --no-rank-all \
+        --power-seeds 0 1 2 --out tests/benchmarks/results/probe_power_seeds_cpu.json
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ def _extract(root: Path, target: Path, capture: list[str], conversations: int) -
     )
 
 
-def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
-    """A draft trained ``epochs`` epochs on ``aux``; 0: the same draft with random weights."""
+def _draft(root: Path, target: Path, aux: list[str], epochs: int, seed: int = 0) -> Path:
+    """A draft trained ``epochs`` epochs on ``aux`` (``seed``: its init and data order); 0: the same
+    draft with random weights."""
     if epochs == 0:
         import shutil
 
@@ -95,7 +99,7 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
             str(out / "model.safetensors"),
         )
         return out
-    run = root / f"run-{epochs}-{'-'.join(aux).replace(':', '')}"
+    run = root / f"run-{epochs}-s{seed}-{'-'.join(aux).replace(':', '')}"
     if not run.exists():
         run_train(
             TrainConfig.model_validate(
@@ -108,6 +112,7 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int) -> Path:
                     "ttt_steps": 3,
                     "batch_tokens": 2048,
                     "epochs": epochs,
+                    "seed": seed,
                     "num_workers": 1,
                     "eval_fraction": 0.05,
                     "optim": {"lr": 1e-2, "warmup_steps": 10},
@@ -131,13 +136,14 @@ def main() -> None:
     ap.add_argument("--rank-sets", type=int, default=300, help="pretrained-target part: conversations (0: skip it)")
     ap.add_argument("--power-epochs", type=int, default=8, help="pretrained-target part: draft training epochs")
     ap.add_argument("--power-prompts", type=int, help="pretrained-target part: probe prompts (default: --prompts)")
+    ap.add_argument("--power-seeds", type=int, nargs="+", default=[0], help="pretrained-target part: training seeds")
     ap.add_argument(
         "--no-rank-all", dest="rank_all", action="store_false", help="skip ranking all 286 sets (the probe only)"
     )
     ap.add_argument("--out")
     args = ap.parse_args()
     power = (
-        _power(args.rank_sets, args.power_prompts or args.prompts, args.power_epochs, args.rank_all)
+        _power(args.rank_sets, args.power_prompts or args.prompts, args.power_epochs, args.rank_all, args.power_seeds)
         if args.rank_sets
         else []
     )
@@ -202,9 +208,11 @@ POWER_SETS = {
 }
 
 
-def _power(conversations: int, prompts: int, epochs: int = 8, rank_all: bool = True) -> list[dict]:
+def _power(
+    conversations: int, prompts: int, epochs: int = 8, rank_all: bool = True, seeds: list[int] | None = None
+) -> list[dict]:
     """Each trained set's rank among every set of its size, by the probe's loss and by the old agreement
-    (``rank_all``), and the probe's own answer."""
+    (``rank_all``), and the probe's own answer -- for a draft per training seed."""
     root = Path(tempfile.mkdtemp(prefix="strata-bench-probe-pretrained-"))
     target = trained_tiny_target(root / "target", PretrainRecipe())
     n = PretrainRecipe().num_layers
@@ -213,8 +221,8 @@ def _power(conversations: int, prompts: int, epochs: int = 8, rank_all: bool = T
     cap = capture_boundaries(target, probe_prompts(cfg))
     everywhere = torch.arange(cap.tokens.shape[1])[None, :] < cap.lengths[:, None]  # every real position
     out = []
-    for name, aux in POWER_SETS.items():
-        draft_dir = _draft(root, target, aux, epochs)
+    for name, aux, seed in ((name, aux, seed) for name, aux in POWER_SETS.items() for seed in seeds or [0]):
+        draft_dir = _draft(root, target, aux, epochs, seed)
         probe = run_probe(cfg.model_copy(update={"draft": str(draft_dir)}), progress=False, capture=cap)
         draft = read_draft(draft_dir, target).model
         ids = draft_to_target(torch.arange(draft.config.draft_vocab_size), draft.d2t)
@@ -231,6 +239,7 @@ def _power(conversations: int, prompts: int, epochs: int = 8, rank_all: bool = T
             "set": name,
             "trained_on": [conventions.boundary_label(CapturePoint.parse(p), n) for p in aux],
             "draft_epochs": epochs,
+            "seed": seed,
             "prompts": r.prompts,
         }
         if rank_all:
@@ -252,6 +261,9 @@ def _power(conversations: int, prompts: int, epochs: int = 8, rank_all: bool = T
             "probe_margin": r.margin,
             "probe_margin_se": r.margin_se,
             "probe_slots": r.slots,
+            "probe_admissible": r.admissible,
+            "trained_set_admitted": r.admissible is not None
+            and all(b in ks for b, ks in zip(row["trained_on"], r.admissible, strict=True)),
         }
         out.append(row)
         print(row, flush=True)
