@@ -314,11 +314,14 @@ def test_a_margin_beyond_the_noise_must_also_clear_the_floor(drafts, pretrained_
     assert f"not clearly more than the {r.margin * 2:g}" in tie.summary, tie.summary
 
 
-def test_a_tie_is_imported_and_gated_on_what_it_leaves_open(drafts, pretrained_target, probe_capture, tmp_path):
+@pytest.mark.vllm
+def test_a_tie_is_imported_and_gated_on_what_it_leaves_open(
+    vllm_engine, drafts, pretrained_target, probe_capture, tmp_path
+):
     """The floor test's pair made a tie (the floor above its margin): each slot is left as "the trained
     point or the embedding-inserted reading's". Validation and import go ahead on that: the manifest keeps
-    each slot's alternatives, a deployment feeding either reading passes, one feeding neither (+1) is
-    blocked with both named and the ids that feed the best set."""
+    each slot's alternatives, a deployment feeding either reading passes (the other reading's feed measured
+    through vLLM), one feeding neither (+1) is blocked with both named and the ids that feed the best set."""
     from pipeline.cli import main
     from pipeline.registry.registry import Registry
     from pipeline.store.objects import LocalStore
@@ -337,12 +340,12 @@ def test_a_tie_is_imported_and_gated_on_what_it_leaves_open(drafts, pretrained_t
     assert tie.admissible == [[a, b] for a, b in zip(trained, inserted, strict=True)], tie.report.admissible
     assert "the evidence leaves slot 0 r_3 or r_0, slot 1 r_7 or r_3, slot 2 r_11 or r_7" in tie.report.summary
 
-    def gate(points):
+    def gate(points, replay="hf"):
         d = speculators_export(
             sf, tmp_path / f"hub-{len(list(tmp_path.iterdir()))}", pretrained_target,
             conventions.aux_ids_for(points, "vllm", n), work, vocab_buffers=False,
         )  # fmt: skip
-        serving = {**_serving(pretrained_target), "replay": "hf"}
+        serving = {**_serving(pretrained_target), "replay": replay}
         return d, run_validate(
             ValidateConfig.model_validate(
                 {"artifact": str(d), "serving": serving, "cost": False, "acceptance_prompts": 2, "probe": probe}
@@ -353,7 +356,9 @@ def test_a_tie_is_imported_and_gated_on_what_it_leaves_open(drafts, pretrained_t
     assert ok.decision == "pass", ok.reasons
     assert [s.could_be for s in ok.slots] == [[a, b] for a, b in zip(trained, inserted, strict=True)]
     assert ok.provenance["open_slots"] == {str(j): [str(trained[j]), str(inserted[j])] for j in range(3)}
-    assert gate(inserted)[1].decision == "pass"  # the tie admits the other reading as well
+    other = gate(inserted, replay="engine")[1]  # the tie admits the other reading as well
+    assert other.decision == "pass" and [s.fed for s in other.slots] == inserted, other.reasons
+    assert all(s.fed_by == "measured" and s.trained == s.fed for s in other.slots)
     bad = gate(conventions.shifted(trained, 1, n))[1]
     assert bad.decision == "block" and [s.ok for s in bad.slots] == [False, False, False]
     assert "nor is it any other it may have been trained on (one of o_2 (r_3), embedding (r_0)" in bad.reasons[0]
