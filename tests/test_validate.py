@@ -272,13 +272,16 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
         se=0.05,
     )
     (art / "strata_artifact.json").write_text(json.dumps(m))
-    # Six prompts of 32 tokens: enough verify steps that the noise allowance leaves room to judge.
+    # Six prompts of 32 tokens, and a user's stricter tolerance (0.9 x held-out): the tiny draft's
+    # prompts scatter widely (an SE near 0.3 per step), and at the default 0.5 the threshold
+    # (1.47 - 3 SE) would fall to about what the tiny draft accepts, so the test would hang on it.
     r = run_validate(
         ValidateConfig.model_validate(
             {
                 "artifact": str(art),
                 "acceptance_prompts": 6,
                 "max_new_tokens": 32,
+                "tolerances": {"acceptance_vs_heldout": 0.9},
                 "serving": {"engine": "vllm", "replay": "hf", "dtype": "float32", "target": {"path": str(tiny_target)}},
             }
         )
@@ -286,7 +289,7 @@ def test_acceptance_far_below_the_heldout_measurement_blocks(run_dir, tiny_targe
     vs = r.acceptance.vs_heldout.model_dump()
     print("vs held-out:", vs)
     assert vs["gated"] and vs["heldout"] == pytest.approx(2.94) and vs["measured"] < vs["threshold"]
-    blocked(r, "below 0.5 x the 2.94 measured at training on held-out prompts")
+    blocked(r, "below 0.9 x the 2.94 measured at training on held-out prompts")
     assert all(s.ok for s in r.slots)
 
 

@@ -9,7 +9,8 @@ recovered the trained set.
 Then the statistic's power, on the demo's pretrained target (12 layers): drafts trained on three aux
 sets, and where each trained set ranks among *every* ascending set of three boundaries (286) by the
 probe's measure (the draft's loss on the assistant tokens) and by greedy agreement over every
-position (what the probe weighed before), with the probe's own verdict beside them.
+position (what the probe weighed before), with the probe's own verdict beside them -- on each draft
+handed over as the other tools write it: SpecForge's layout without ids, speculators' with ids off by one.
 
     python tests/benchmarks/bench_probe.py                       # depths 6 12 61, tiny targets
     python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60 --rank-sets 0   # smoke
@@ -36,6 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 from _results import save_result  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the other tools' writers
+from foreign_drafts import specforge_export, speculators_export  # noqa: E402
 
 from pipeline import conventions  # noqa: E402
 from pipeline.data.stdlib import write_conversations  # noqa: E402
@@ -223,7 +227,6 @@ def _power(
     out = []
     for name, aux, seed in ((name, aux, seed) for name, aux in POWER_SETS.items() for seed in seeds or [0]):
         draft_dir = _draft(root, target, aux, epochs, seed)
-        probe = run_probe(cfg.model_copy(update={"draft": str(draft_dir)}), progress=False, capture=cap)
         draft = read_draft(draft_dir, target).model
         ids = draft_to_target(torch.arange(draft.config.draft_vocab_size), draft.d2t)
         on_assistant, on_all = cap.targets(ids), cap.head.targets(cap.final, everywhere, ids)
@@ -234,16 +237,9 @@ def _power(
             loss[s] = float(-e.fit.sum() / e.in_loss.sum())
             e = evidence(draft, cap, on_all, s, cfg.steps)
             agree[s] = float(e.hits.sum() / e.trained.sum())
-        r = probe.report
-        row = {
-            "set": name,
-            "trained_on": [conventions.boundary_label(CapturePoint.parse(p), n) for p in aux],
-            "draft_epochs": epochs,
-            "seed": seed,
-            "prompts": r.prompts,
-        }
+        ranks = {}
         if rank_all:
-            row |= {
+            ranks = {
                 "sets": len(loss),
                 "rank_by_loss_on_assistant_tokens": sorted(loss, key=loss.get).index(trained) + 1,
                 "rank_by_agreement_on_every_position": sorted(agree, key=lambda k: -agree[k]).index(trained) + 1,
@@ -251,22 +247,38 @@ def _power(
                 "loss_best_other": round(min(v for k, v in loss.items() if k != trained), 5),
                 "loss_median": round(sorted(loss.values())[len(loss) // 2], 5),
             }
-        row |= {
-            "probe_verdict": r.verdict,
-            "probe_recovered_trained_set": r.verdict == "inferred" and r.best.boundaries == row["trained_on"],
-            "probe_summary": r.summary,
-            "probe_min_margin": r.min_margin,
-            "probe_best": r.best.boundaries,
-            "probe_runner_up": r.runner_up.boundaries,
-            "probe_margin": r.margin,
-            "probe_margin_se": r.margin_se,
-            "probe_slots": r.slots,
-            "probe_admissible": r.admissible,
-            "trained_set_admitted": r.admissible is not None
-            and all(b in ks for b, ks in zip(row["trained_on"], r.admissible, strict=True)),
-        }
-        out.append(row)
-        print(row, flush=True)
+        # handed over as other tools write it: SpecForge's layout without ids, speculators' with ids off by one
+        tag, points = draft_dir.parent.parent.name, [CapturePoint.parse(p) for p in aux]
+        sf = specforge_export(draft_dir, root / f"sf-{tag}", None, root / "wheels")
+        off = conventions.aux_ids_for(conventions.shifted(points, 1, n), "vllm", n)
+        sp = speculators_export(sf, root / f"sp-{tag}", target, off, root / "wheels", vocab_buffers=False)
+        for layout, handed in (("SpecForge, no ids", sf), (f"speculators, ids {off} (off by one)", sp)):
+            r = run_probe(cfg.model_copy(update={"draft": str(handed)}), progress=False, capture=cap).report
+            row = {
+                "set": name,
+                "trained_on": [conventions.boundary_label(p, n) for p in points],
+                "draft_epochs": epochs,
+                "seed": seed,
+                "layout": layout,
+                "prompts": r.prompts,
+                **ranks,
+            }
+            row |= {
+                "probe_verdict": r.verdict,
+                "probe_recovered_trained_set": r.verdict == "inferred" and r.best.boundaries == row["trained_on"],
+                "probe_summary": r.summary,
+                "probe_min_margin": r.min_margin,
+                "probe_best": r.best.boundaries,
+                "probe_runner_up": r.runner_up.boundaries,
+                "probe_margin": r.margin,
+                "probe_margin_se": r.margin_se,
+                "probe_slots": r.slots,
+                "probe_admissible": r.admissible,
+                "trained_set_admitted": r.admissible is not None
+                and all(b in ks for b, ks in zip(row["trained_on"], r.admissible, strict=True)),
+            }
+            out.append(row)
+            print(row, flush=True)
     return out
 
 
