@@ -101,7 +101,8 @@ class ProbeOptions(BaseModel):
         ge=0,
         description="nats per token the runner-up must fit worse by, beyond z standard errors: sets closer "
         "than this are a tie however many prompts are used (adjacent boundaries in one slot: within 0.0003 "
-        "either way for drafts trained alike; a trained set over its nearest rival: 0.0006 and more)",
+        "either way for drafts trained alike; a 32-epoch draft's trained set over its nearest rival: "
+        "0.0004-0.0009 in eight of nine)",
     )
     dtype: Literal["float32", "bfloat16"] = "float32"
     candidates: list[list[CapturePoint]] | None = Field(
