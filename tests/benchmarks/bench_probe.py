@@ -249,6 +249,7 @@ def _power(
             }
         # handed over as other tools write it: SpecForge's layout without ids, speculators' with ids off by one
         tag, points = draft_dir.parent.parent.name, [CapturePoint.parse(p) for p in aux]
+        trained_on = [conventions.boundary_label(p, n) for p in points]
         sf = specforge_export(draft_dir, root / f"sf-{tag}", None, root / "wheels")
         off = conventions.aux_ids_for(conventions.shifted(points, 1, n), "vllm", n)
         sp = speculators_export(sf, root / f"sp-{tag}", target, off, root / "wheels", vocab_buffers=False)
@@ -256,16 +257,14 @@ def _power(
             r = run_probe(cfg.model_copy(update={"draft": str(handed)}), progress=False, capture=cap).report
             row = {
                 "set": name,
-                "trained_on": [conventions.boundary_label(p, n) for p in points],
+                "trained_on": trained_on,
                 "draft_epochs": epochs,
                 "seed": seed,
                 "layout": layout,
                 "prompts": r.prompts,
                 **ranks,
-            }
-            row |= {
                 "probe_verdict": r.verdict,
-                "probe_recovered_trained_set": r.verdict == "inferred" and r.best.boundaries == row["trained_on"],
+                "probe_recovered_trained_set": r.verdict == "inferred" and r.best.boundaries == trained_on,
                 "probe_summary": r.summary,
                 "probe_min_margin": r.min_margin,
                 "probe_best": r.best.boundaries,
@@ -275,7 +274,7 @@ def _power(
                 "probe_slots": r.slots,
                 "probe_admissible": r.admissible,
                 "trained_set_admitted": r.admissible is not None
-                and all(b in ks for b, ks in zip(row["trained_on"], r.admissible, strict=True)),
+                and all(b in ks for b, ks in zip(trained_on, r.admissible, strict=True)),
             }
             out.append(row)
             print(row, flush=True)
