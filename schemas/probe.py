@@ -64,6 +64,10 @@ class ProbeReport(BaseModel):
     z: float
     min_margin: float  # nats per token a conclusion needs beyond z standard errors
     spread: float  # best fit minus the median candidate's (layer dependence)
+    # the best set's fit minus that of the target's token frequencies: at or under 0 (z SE), the draft
+    # did not learn this target and nothing is inferred
+    over_frequencies: float = 0.0
+    over_frequencies_se: float = 0.0
     slots: list[dict] = []  # per slot, the others held at the best set: its boundary, next best, margin
     # per slot, the boundaries the draft may have been trained on (several where a tie leaves the slot
     # open): what a deployment may feed it; None within the noise

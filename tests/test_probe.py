@@ -223,7 +223,9 @@ def test_a_draft_that_barely_leans_on_its_layers_is_not_given_a_wrong_set(traine
     r = _probe(sf, tiny_target).report
     trained = [lo(1), lo(2), lo(3)]
     assert r.verdict == "inconclusive" or r.best.points == trained, r.summary
-    if r.verdict == "inconclusive" and r.margin <= r.z * r.margin_se:
+    if r.verdict == "inconclusive" and r.over_frequencies <= r.z * r.over_frequencies_se:
+        assert "no better than their frequencies" in r.summary and r.admissible is None, r.summary
+    elif r.verdict == "inconclusive" and r.margin <= r.z * r.margin_se:
         assert "barely depends on which of these layers" in r.summary, r.summary
     elif r.verdict == "inconclusive":  # beyond the noise, under the floor: a tie
         assert r.margin - r.z * r.margin_se <= r.min_margin and "fits both about equally" in r.summary, r.summary
@@ -249,7 +251,9 @@ def test_a_tie_is_not_decided_by_the_noise_and_the_settled_slots_are_named():
     r_6, r_9 fit r_2 better than r_1 by 0.00027 +- 0.00006 nats per token -- beyond the noise, but a
     difference training itself varies (the same recipe on another split put r_1 ahead), so under the
     floor it is a tie, and the answer says what the evidence does settle: per slot, what a deployment
-    may feed. The other two drafts' nearest rivals (0.00062 +- 0.00007, 0.00086 +- 0.00011) clear it."""
+    may feed. Within the noise the same holds: what the best does not clear stays open. The other two
+    drafts' nearest rivals (0.00062 +- 0.00007, 0.00086 +- 0.00011) clear it. A draft that fits the
+    target no better than its token frequencies settles nothing, however clear its preference."""
     from pipeline.probe.job import _slots_in_words
     from pipeline.probe.search import Inference, Scored, SlotEvidence
     from schemas.validation import ProbeOptions
@@ -262,18 +266,25 @@ def test_a_tie_is_not_decided_by_the_noise_and_the_settled_slots_are_named():
         SlotEvidence(2, 9, 10, 0.00249, 0.00017),
     ]
     best, rival, far = Scored((2, 6, 9), None), Scored((1, 6, 9), None), Scored((2, 5, 9), None)  # type: ignore[arg-type]
-    tie = Inference(points, [best, rival, far], 0.00027, 0.00006, 3.0, slots, floor, ties=[rival])
+    fit = {"over_frequencies": 1.29, "over_frequencies_se": 0.02}  # the demo's 8-epoch draft, 300 prompts
+    tie = Inference(points, [best, rival, far], 0.00027, 0.00006, 3.0, slots, floor, [rival], **fit)
     assert tie.beyond_noise and not tie.conclusive
     assert [tie.slot_conclusive(e) for e in slots] == [False, True, True]
     assert tie.admissible == [[2, 1], [6], [9]]  # the rival's slot 0 admitted; the far set's r_5 is not
     want = "; the evidence settles slot 1 r_6, slot 2 r_9 and leaves slot 0 r_2 or r_1"
     assert _slots_in_words(tie, n) == want
-    noise = Inference(points, [best, rival], 0.00027, 0.0001, 3.0, slots, floor, ties=[rival])
-    assert noise.admissible is None and _slots_in_words(noise, n) == ""  # within the noise nothing is settled
-    sure = Inference(points, [best, rival], 0.00027, 0.00006, 3.0, slots, 0.0)
+    noise = Inference(points, [best, rival], 0.00027, 0.0001, 3.0, slots, floor, [rival], **fit)
+    assert not noise.beyond_noise and noise.admissible == [[2, 1], [6], [9]] and _slots_in_words(noise, n) == want
+    sure = Inference(points, [best, rival], 0.00027, 0.00006, 3.0, slots, 0.0, **fit)
     assert sure.conclusive and sure.admissible == [[2], [6], [9]]  # the noise alone would decide
     for margin, se in ((0.00062, 0.00007), (0.00086, 0.00011)):
-        assert Inference(points, [best, rival], margin, se, 3.0, slots, floor).conclusive
+        assert Inference(points, [best, rival], margin, se, 3.0, slots, floor, **fit).conclusive
+    # a random-init draft on the demo target: 8.04 nats per token fed its favourite set against the
+    # frequencies' 4.99, and that favourite clear of the rest at 20 SE
+    unfit = Inference(points, [best, rival], 0.0049, 0.0002, 3.0, slots, floor, [], -3.05, 0.025)
+    assert unfit.beyond_noise and not unfit.fits_target and not unfit.conclusive and unfit.admissible is None
+    assert _slots_in_words(unfit, n) == ""
+    assert not Inference(points, [best, rival], 0.0049, 0.0002, 3.0, slots, floor, [], 0.01, 0.02).fits_target
 
 
 def test_the_gate_accepts_a_feed_of_any_point_a_tie_leaves_open():
@@ -391,6 +402,9 @@ def test_the_demo_probes_the_incidents_draft_handed_over_without_stratas_files(d
     assert not list((tmp_path / "foreign-draft").glob("strata_*")) and list(art.glob("strata_*"))
     assert r.verdict in ("inferred", "inconclusive") and (r.verdict == "inconclusive" or r.best.points == trained)
     assert lines[1] == f"   probe: {r.summary}"
+    said = lines[2]  # the probe's answer next to the manifest it never saw: the trained set is never excluded
+    assert said.startswith("   trained on r_3, r_7, r_11 (Strata's manifest") and not re.search("ANOTHER|MISSED", said)
+    assert ("named exactly that" in said) == (r.verdict == "inferred"), said
     gap = re.search(r"config \(measured above\), r_0, r_3, r_7: (\d+\.\d+) nats per token worse", "\n".join(lines))
     assert gap and float(gap.group(1)) > 0.01, lines
     # a tie between the trained set and the incident's reading: a feed of neither is still judged
@@ -421,8 +435,8 @@ def test_an_untrained_draft_is_inconclusive_and_cannot_be_imported_or_validated(
     sd = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("embed_tokens.")}
     save_file(sd, str(d / "model.safetensors"))
     r = _probe(d, pretrained_target, probe_capture).report
-    assert r.verdict == "inconclusive" and "inconclusive" in r.summary
-    assert r.margin - r.z * r.margin_se <= r.min_margin
+    assert r.verdict == "inconclusive" and "no better than their frequencies" in r.summary, r.summary
+    assert r.over_frequencies - r.z * r.over_frequencies_se <= 0 and r.admissible is None
     args = ["--target", str(pretrained_target), "--prompts", "8"]
     assert main(["probe", "--draft", str(d), *args]) == EXIT_INCONCLUSIVE
     assert main(["import", str(d), "--registry", str(tmp_path / "reg"), *args]) == EXIT_INCONCLUSIVE

@@ -43,6 +43,7 @@ from schemas.validation import Cost, ValidateConfig, ValidationReport
 log = logging.getLogger(__name__)
 
 DEMO_ROOT = Path("strata-demo")
+PROBE_PROMPTS = 300  # of the regenerated conversations: the probe chapter's evidence
 DEMO_VERSION = "3"  # bump when the demo's target or configs change: an older demo directory is moved aside
 
 
@@ -229,7 +230,16 @@ def _story(root: Path, say, sglang: bool = False) -> bool:
         + (f" ({before.artifact_digest[:16]})" if before else "")
     )
     fed = [s.fed for s in bad.slots if s.fed]
-    chapter_probe(root, art, root / "misconfigured-config.json", fed, say, root / "regenerated" / "conversations.jsonl")
+    chapter_probe(
+        root,
+        art,
+        root / "misconfigured-config.json",
+        fed,
+        say,
+        root / "regenerated" / "conversations.jsonl",
+        # 32 prompts leave every slot of this draft open between two or three boundaries; 300 settle more
+        options={"prompts": PROBE_PROMPTS},
+    )
     ok = good.decision == "pass" and bad.decision == "block" and unmoved
     if sglang:
         ok = _chapter_sglang(root, registry, say)[0] and ok
@@ -350,12 +360,14 @@ def chapter_probe(
     the engine feeds under that config) and, in a tie, whether ``fed`` is among what the tie leaves
     open. ``options``: more of the probe's options (``ProbeOptions``)."""
     t = time.perf_counter()
+    trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
     foreign = root / "foreign-draft"
     shutil.rmtree(foreign, ignore_errors=True)
     shutil.copytree(art, foreign, ignore=shutil.ignore_patterns("strata_*"))
     shutil.copyfile(config, foreign / ARTIFACT_CONFIG)
     target = root / "target"
     on = f" --conversations {conversations}" if conversations else ""
+    on += "".join(f" --{k.replace('_', '-')} {v}" for k, v in (options or {}).items() if k in ("prompts", "steps"))
     say(f"\n== the same draft without Strata's files: strata probe --draft {foreign} --target {target}{on}")
     cfg = ProbeConfig(
         draft=str(foreign),
@@ -365,7 +377,8 @@ def chapter_probe(
     )
     r = run_probe(cfg, progress=False).report
     say(f"   probe: {r.summary}")
-    for c in r.claimed_readings:
+    say(f"   {against_training(r, trained)}")
+    for c in r.claimed_readings if r.admissible is not None else ():  # an unfit draft's preferences mean nothing
         if c["fit"] is not None and c["points"] == [str(p) for p in fed]:
             say(
                 f"   what the engine feeds under that config (measured above), {', '.join(c['boundaries'])}: "
@@ -389,6 +402,35 @@ def chapter_probe(
         )
     say(f"   [{time.perf_counter() - t:.0f} s]")
     return r
+
+
+def against_training(r: ProbeReport, trained: list[CapturePoint]) -> str:
+    """The probe's answer next to what the draft was trained on (the manifest the probe never saw)."""
+    n = r.num_layers
+    labels = [conventions.boundary_label(p, n) for p in trained]
+    known = f"trained on {', '.join(labels)} (Strata's manifest, removed from this copy)"
+    named = [conventions.boundary_label(p, n) for p in r.best.points]
+    if r.verdict == "inferred":
+        return f"{known}: {'the probe named exactly that' if named == labels else 'the probe named ANOTHER SET'}"
+    if r.admissible is None:
+        return f"{known}: the probe settled nothing (the draft does not fit this target)"
+    exact = [f"slot {j} {k}" for j, (k, ks) in enumerate(zip(labels, r.admissible, strict=True)) if ks == [k]]
+    open_ = [
+        f"slot {j} {k} among {' or '.join(ks)}"
+        for j, (k, ks) in enumerate(zip(labels, r.admissible, strict=True))
+        if len(ks) > 1 and k in ks
+    ]
+    missed = [
+        f"slot {j} {k} is none of {', '.join(ks)}"
+        for j, (k, ks) in enumerate(zip(labels, r.admissible, strict=True))
+        if k not in ks
+    ]
+    parts = [f"named {', '.join(exact)} exactly"] if exact else []
+    if open_:
+        parts.append(f"left {'; '.join(open_)} (boundaries the draft reads about equally well)")
+    if missed:
+        parts.append(f"MISSED {'; '.join(missed)}")
+    return f"{known}: the probe {', and '.join(parts)}"
 
 
 def _chapter_sglang(root: Path, registry: Path, say, engine=None) -> tuple[bool, dict[str, ValidationReport]]:

@@ -312,12 +312,18 @@ class Eagle3Draft(nn.Module):
     def score_step(self, h: torch.Tensor, i: int, target: TargetBatch, layout: Layout) -> StepScore:
         """Step i's loss terms and hits at every position (the probe weighs them per sequence)."""
         logits = self.logits(h).float()
-        trained = shift(target.trained, i + 2, fill=False) & (layout.remaining >= i + 2)
-        mask = trained & shift(target.in_draft_vocab, i + 1, fill=False)
-        p = shift(target.p_draft, i + 1, fill=0.0)
+        p, trained, mask = step_target(target, i, layout)
         ce = -(p * logits.log_softmax(-1)).sum(-1)
         hit = (draft_to_target(logits.argmax(-1), self.d2t) == shift(target.greedy, i + 1, fill=-1)) & trained
         return StepScore(ce * mask, mask, hit, trained)
+
+
+def step_target(target: TargetBatch, i: int, layout: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What step i is scored against at every position: the target's distribution for the token it
+    predicts, whether that token is trained (in this sequence), and whether it is in the loss (also in
+    the draft vocab)."""
+    trained = shift(target.trained, i + 2, fill=False) & (layout.remaining >= i + 2)
+    return shift(target.p_draft, i + 1, fill=0.0), trained, trained & shift(target.in_draft_vocab, i + 1, fill=False)
 
 
 def shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:

@@ -50,7 +50,7 @@ def _weights_file(d: Path) -> Path:
 
 
 def adopt(probe, out_dir: str | Path) -> DraftArtifactManifest:
-    """Write the imported artifact to ``out_dir`` (atomically); refuses a probe within the noise."""
+    """Write the imported artifact to ``out_dir`` (atomically); refuses a probe that settled nothing."""
     r, d = probe.report, probe.draft
     admissible = probe.admissible
     if admissible is None:

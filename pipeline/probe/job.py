@@ -46,7 +46,7 @@ class Probe:
     def admissible(self) -> list[list[CapturePoint]] | None:
         """What the gate checks a deployment against: per slot, the points the draft may have been
         trained on -- one each when declared or inferred, several in a slot a tie leaves open; None
-        within the noise."""
+        when the probe settled nothing (the draft does not fit the target)."""
         if self.cfg.trained_on:
             assert self.report.declared is not None
             return [[p] for p in self.report.declared]
@@ -203,7 +203,16 @@ def _report(
             f"inconclusive: the best set {', '.join(best.boundaries)} (loss {-inf.pooled(inf.best):.4f} nats per "
             f"token) leads the runner-up {', '.join(ru.boundaries)} by {inf.margin:.4f}"
         )
-        if inf.beyond_noise:
+        if not inf.fits_target:
+            loss = -inf.pooled(inf.best)
+            summary = (
+                f"inconclusive: the draft predicts this target's tokens no better than their frequencies do (fed "
+                f"its best set {', '.join(best.boundaries)}, its loss is {loss:.4f} nats per token against "
+                f"{loss + inf.over_frequencies:.4f} for the frequencies, +-{inf.over_frequencies_se:.4f}) -- an "
+                "untrained draft, or one trained for another target: which layers it prefers says nothing about "
+                "its training"
+            )
+        elif inf.beyond_noise:
             summary = (
                 f"{lead} (+-{inf.margin_se:.4f}), not clearly more than the {inf.min_margin:g} that tells two sets "
                 "apart -- the draft fits both about equally (a draft can read an adjacent boundary as well as its "
@@ -212,9 +221,8 @@ def _report(
         else:
             summary = (
                 f"{lead}, within {cfg.z:g} standard errors ({inf.margin_se:.4f}) -- a draft that barely depends on "
-                "which of these layers it reads, an untrained draft, the wrong target, or too few prompts "
-                f"({n_prompts})"
-            )
+                f"which of these layers it reads, or too few prompts ({n_prompts})"
+            ) + _slots_in_words(inf, n)
     notes = list(draft.notes)
     provenance = "inferred" if verdict == "inferred" else None
     declared = None
@@ -255,6 +263,8 @@ def _report(
         z=cfg.z,
         min_margin=inf.min_margin,
         spread=round(inf.spread, 5),
+        over_frequencies=round(inf.over_frequencies, 5),
+        over_frequencies_se=round(inf.over_frequencies_se, 5),
         admissible=None
         if (adm := inf.admissible) is None
         else [[conventions.boundary_label(inf.points[k], n) for k in ks] for ks in adm],
@@ -277,7 +287,7 @@ def _report(
 
 def _slots_in_words(inf: Inference, n: int) -> str:
     """What a tie still pins down: the slots settled, and the boundaries each other slot may be fed.
-    Said only in a tie beyond the noise (``Inference.admissible``)."""
+    Said only in a tie (``Inference.admissible``)."""
     adm = inf.admissible
     if adm is None:
         return ""

@@ -7,6 +7,13 @@ training found; fed others, it is off it. Greedy agreement is kept for the repor
 coarse reading of the same thing: on a small draft it ranks the trained set anywhere among the
 candidates, where the loss ranks it first or second. Positions outside the assistant turns are left
 out for the same reason: the draft never learned to predict them.
+
+The fit is relative: any draft, trained or not, fits some aux set best, and a random-init one fits
+its favourite set beyond any noise (its outputs still depend on the scale of what it is fed). What
+says a draft learned this target at all is its fit against the target's token frequencies: the
+same positions predicted by one distribution, the target's own average over them. A trained draft
+gets close to the target's entropy; a random-init draft, or one trained for another target, does
+worse than the frequencies.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.draft.model import Eagle3Draft, Layout, TargetBatch
+from pipeline.draft.model import Eagle3Draft, Layout, TargetBatch, step_target
 from pipeline.probe.capture import ProbeCapture
 
 
@@ -43,3 +50,19 @@ def evidence(
             out.append(t.sum(1))
     fit, in_loss, hits, trained = (torch.stack(r) for r in rows)
     return Evidence(fit, in_loss.long(), hits.long(), trained.long())
+
+
+def frequencies(cap: ProbeCapture, target: TargetBatch, steps: int = 1) -> torch.Tensor:
+    """The fit of the target's token frequencies, scored as ``evidence`` scores the draft: per TTT step
+    and probe conversation [steps, P], minus the soft cross-entropy of the positions in the loss
+    against their average target distribution (float64)."""
+    layout = Layout.of(cap.tokens, cap.lengths)
+    out = []
+    for i in range(steps):
+        p, _, in_loss = step_target(target, i, layout)
+        q = (p[in_loss].double().mean(0) if bool(in_loss.any()) else p.new_full(p.shape[-1:], 1.0).double()).clamp_min(
+            1e-30
+        )
+        ce = -(p.double() * q.log()).sum(-1)
+        out.append((ce * in_loss).sum(1))
+    return -torch.stack(out)

@@ -7,8 +7,10 @@ ascending and distinct (what an engine can feed). The margin to the runner-up ge
 error from resampling prompts. A conclusion needs the margin, less ``z`` of its standard errors,
 to exceed ``min_margin``: beyond the noise *and* beyond what a draft can fit equally well. The fit
 is the draft's training objective (``score``): minus the soft cross-entropy per position, in nats.
-A tie beyond the noise still settles something: per slot, the boundaries of the sets the best does
-not clear by the floor (``Inference.admissible``) -- what a deployment may feed that slot.
+Nothing is concluded from a draft that does not fit the target better than the target's token
+frequencies (``fits_target``): its preferences among sets are not a trace of training. Otherwise a
+tie still settles something: per slot, the boundaries of the sets the best does not clear by the
+floor at ``z`` standard errors (``Inference.admissible``) -- what a deployment may feed that slot.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from pipeline import conventions
 from pipeline.draft.model import Eagle3Draft, draft_to_target
 from pipeline.probe.capture import ProbeCapture
-from pipeline.probe.score import Evidence, evidence
+from pipeline.probe.score import Evidence, evidence, frequencies
 from schemas.capture import CapturePoint
 
 Aux = tuple[int, ...]  # indices into ProbeCapture.points, one per slot
@@ -55,6 +57,8 @@ class Inference:
     slots: list[SlotEvidence] = field(default_factory=list)
     min_margin: float = 0.0  # nats per position the runner-up must be worse by, beyond the noise
     ties: list[Scored] = field(default_factory=list)  # the sets the best does not clear by min_margin
+    over_frequencies: float = 0.0  # pooled fit of the best set minus the targets token frequencies
+    over_frequencies_se: float = 0.0
 
     @property
     def spread(self) -> float:
@@ -77,7 +81,14 @@ class Inference:
         trained alike on r_2 fit it 0.0003 nats per token better than r_1, or slightly worse), and
         enough prompts make any such difference "significant" -- either way round. A floor on the size
         keeps such a pair a tie however many prompts are used."""
-        return _beyond(self.margin, self.margin_se, self.z, self.min_margin)
+        return self.fits_target and _beyond(self.margin, self.margin_se, self.z, self.min_margin)
+
+    @property
+    def fits_target(self) -> bool:
+        """Fed its best set, the draft predicts the target better than the target's token frequencies
+        do, at ``z`` standard errors: it learned this target, so its preferences can say what it was
+        trained on. A random-init draft, or one trained for another target, does not."""
+        return _beyond(self.over_frequencies, self.over_frequencies_se, self.z, 0.0)
 
     @property
     def beyond_noise(self) -> bool:
@@ -87,13 +98,14 @@ class Inference:
     @property
     def admissible(self) -> list[list[int]] | None:
         """Per slot, the boundaries the draft may have been trained on, best first: the best set's alone
-        when conclusive; in a tie beyond the noise, also those of every set tied with it (each slot judged
-        apart, so a mix of two tied sets is admitted too); None within the noise, where even the best
-        set may be off and nothing is settled."""
+        when conclusive; in a tie, also those of every set the best does not clear by the floor at ``z``
+        standard errors -- within the noise too, where the best set itself may be off but the trained
+        one is still among them (each slot judged apart, so a mix of two tied sets is admitted too).
+        None when the draft does not fit the target: then nothing is settled."""
+        if not self.fits_target:
+            return None
         if self.conclusive:
             return [[k] for k in self.best.aux]
-        if not self.beyond_noise:
-            return None
         out = [[k] for k in self.best.aux]
         for s in self.ties:
             for slot, k in zip(out, s.aux, strict=True):
@@ -206,6 +218,8 @@ def infer(
         raise ValueError("the probe needs at least two candidate aux sets")
     margin, se = _margin(ranked[0], ranked[1], resamples, seed)
     top = ranked[0]
+    base = frequencies(cap, target, steps)
+    over, over_se = _bootstrap(top.ev.fit - base, top.ev.in_loss, resamples, seed)
     ties = [x for x in ranked[1:] if not _beyond(*_margin(top, x, resamples, seed), z, min_margin)]
     slots = []
     for j in range(n_aux):  # which slots the evidence pins down, and which the draft barely uses
@@ -219,12 +233,17 @@ def infer(
             continue
         m, e = _margin(top, rivals[0], resamples, seed + 1 + j)
         slots.append(SlotEvidence(j, top.aux[j], rivals[0].aux[j], m, e))
-    return Inference(cap.points, ranked, margin, se, z, slots, min_margin, ties)
+    return Inference(cap.points, ranked, margin, se, z, slots, min_margin, ties, over, over_se)
 
 
 def _margin(a: Scored, b: Scored, resamples: int, seed: int) -> tuple[float, float]:
     """Pooled fit difference and its bootstrap standard error over prompts."""
-    diff, cnt = (a.ev.fit - b.ev.fit).sum(0), a.ev.in_loss.sum(0).double()  # per prompt
+    return _bootstrap(a.ev.fit - b.ev.fit, a.ev.in_loss, resamples, seed)
+
+
+def _bootstrap(fit_diff: torch.Tensor, in_loss: torch.Tensor, resamples: int, seed: int) -> tuple[float, float]:
+    """A [steps, P] fit difference pooled per position, and its standard error over resampled prompts."""
+    diff, cnt = fit_diff.sum(0), in_loss.sum(0).double()  # per prompt
     margin = float(diff.sum() / cnt.sum().clamp(min=1))
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=g)

@@ -51,7 +51,7 @@ def compare_with_serving(probe: Probe) -> None:
     r, s = probe.report, probe.cfg.serving
     assert s is not None
     if probe.admissible is None:
-        r.serving = {"not_compared": "the training set is not known (inconclusive within the noise)"}
+        r.serving = {"not_compared": "the training set is not known (the probe settled nothing)"}
         return
     with tempfile.TemporaryDirectory(prefix="strata-probe-") as tmp:
         art = Path(tmp) / "draft"
