@@ -179,6 +179,7 @@ def main() -> None:
                     "margin": r.margin,
                     "margin_se": r.margin_se,
                     "margin_in_se": round(r.margin / max(r.margin_se, 1e-12), 1),
+                    "over_frequencies": r.over_frequencies,
                     "spread_over_median": r.spread,
                     "candidates": r.evaluated,
                     "capture_s": round(capture_s, 3),
@@ -271,6 +272,7 @@ def _power(
                 "probe_runner_up": r.runner_up.boundaries,
                 "probe_margin": r.margin,
                 "probe_margin_se": r.margin_se,
+                "probe_over_frequencies": r.over_frequencies,
                 "probe_slots": r.slots,
                 "probe_admissible": r.admissible,
                 "trained_set_admitted": r.admissible is not None
