@@ -12,8 +12,7 @@ The fit is relative: any draft, trained or not, fits some aux set best, and a ra
 its favourite set beyond any noise (its outputs still depend on the scale of what it is fed). What
 says a draft learned this target at all is its fit against the target's token frequencies: the
 same positions predicted by one distribution, the target's own average over them. A trained draft
-gets close to the target's entropy; a random-init draft, or one trained for another target, does
-worse than the frequencies.
+gets close to the target's entropy; a random-init draft does worse than the frequencies.
 """
 
 from __future__ import annotations
