@@ -14,6 +14,7 @@ handed over as the other tools write it: SpecForge's layout without ids, specula
 
     python tests/benchmarks/bench_probe.py                       # depths 6 12 61, tiny targets
     python tests/benchmarks/bench_probe.py --depths 6 --epochs 0 1 --conversations 60 --rank-sets 0   # smoke
+    python tests/benchmarks/bench_probe.py --rank-sets 0 --out tests/benchmarks/results/probe_depths_cpu.json
     # drafts trained longer, probed on 300 prompts, without ranking all 286 sets (the min_margin data):
     python tests/benchmarks/bench_probe.py --depths --power-epochs 32 --power-prompts 300 --no-rank-all \
         --out tests/benchmarks/results/probe_power_e32_cpu.json
