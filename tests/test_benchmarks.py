@@ -199,3 +199,42 @@ def test_cpu_sampler_attributes_a_busy_process_and_its_threads(tmp_path):
     assert 0.7 <= busy["cores"]["spinner"] <= 1.1, busy
     assert busy["cores"]["idle"] > -0.1, busy  # nothing counted twice (a renamed kernel thread once was)
     assert busy["threads"]["main"] >= 0.7, busy
+
+
+def test_demo_probe_benchmark_runs_the_demos_probe_chapter(pretrained_run, pretrained_target, tmp_path):
+    """On a stand-in for a finished demo (the shared run trained on r_2, r_6, r_9, stdlib conversations
+    as the regenerated ones, the incident's ids in the config): the chapter runs for the draft and its
+    random-init copy. The trained draft's answer admits every trained boundary and blocks the incident;
+    the random-init copy fits the target worse than its token frequencies and settles nothing."""
+    from pipeline import conventions
+    from pipeline.data.stdlib import write_conversations
+    from schemas.capture import CapturePoint
+
+    demo, art = tmp_path / "demo", pretrained_run / "export" / "vllm"
+    demo.mkdir()
+    (demo / "target").symlink_to(pretrained_target)
+    (demo / "run").symlink_to(pretrained_run)
+    cfg = json.loads((pretrained_run / "run.json").read_text())["cfg"]
+    (demo / "train.yaml").write_text(json.dumps(cfg))  # JSON is YAML
+    write_conversations(demo / "regenerated" / "conversations.jsonl", n=40)
+    trained = [CapturePoint.model_validate(p) for p in cfg["aux"]]
+    incident = [CapturePoint.parse("embedding"), *trained[:-1]]
+    bad = conventions.draft_config_feeding(json.loads((art / "config.json").read_text()), incident, "vllm", 12)
+    (demo / "misconfigured-config.json").write_text(json.dumps(bad))
+    r = run_benchmark(
+        "bench_demo_probe.py",
+        *("--demo", str(demo), "--epochs", "0", str(cfg["epochs"]), "--prompts", "16"),
+        out=tmp_path / "demo_probe.json",
+    )
+    assert r["incident_fed"] == ["r_0", "r_2", "r_6"]
+    untrained, draft = r["rows"]
+    assert (untrained["draft_epochs"], draft["draft_epochs"]) == (0, cfg["epochs"])
+    assert untrained["verdict"] == "inconclusive" and untrained["admissible"] is None
+    assert untrained["over_frequencies"] < 0 and "settled nothing" in untrained["against_training"]
+    assert draft["over_frequencies"] > 0 and draft["admissible"] is not None, draft["chapter"]
+    assert all(b in ks for b, ks in zip(["r_2", "r_6", "r_9"], draft["admissible"], strict=True)), draft["admissible"]
+    assert "ANOTHER" not in draft["against_training"] and "MISSED" not in draft["against_training"]
+    assert draft["chapter"][-2].endswith("strata validate on this directory blocks it") or (
+        draft["verdict"] == "inferred"
+    ), draft["chapter"]
+    assert not (pretrained_run / "run-e0").exists() and (demo / "run-e0").exists()  # the shared run untouched
