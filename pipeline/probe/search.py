@@ -56,8 +56,8 @@ class Inference:
     z: float  # how many standard errors make it conclusive
     slots: list[SlotEvidence] = field(default_factory=list)
     min_margin: float = 0.0  # nats per position the runner-up must be worse by, beyond the noise
-    ties: list[Scored] = field(default_factory=list)  # the sets the best does not clear by min_margin
-    over_frequencies: float = 0.0  # pooled fit of the best set minus the targets token frequencies
+    ties: list[Scored] = field(default_factory=list)  # the sets the best does not clear by min_margin at z SE
+    over_frequencies: float = 0.0  # pooled fit of the best set minus the target's token frequencies
     over_frequencies_se: float = 0.0
 
     @property
@@ -87,7 +87,7 @@ class Inference:
     def fits_target(self) -> bool:
         """Fed its best set, the draft predicts the target better than the target's token frequencies
         do, at ``z`` standard errors: it learned this target, so its preferences can say what it was
-        trained on. A random-init draft, or one trained for another target, does not."""
+        trained on. A random-init draft does not."""
         return _beyond(self.over_frequencies, self.over_frequencies_se, self.z, 0.0)
 
     @property
