@@ -321,7 +321,7 @@ def _chapter_incident(root: Path, art: Path, serving: dict, registry: Path, say)
     """The incident: the engine fed the embedding first and every trained point one slot on."""
     t = time.perf_counter()
     good_cfg = json.loads((art / ARTIFACT_CONFIG).read_text())
-    trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
+    trained = trained_points(art)
     layers = target_identity(root / "target").num_layers
     bad_cfg = conventions.draft_config_feeding(good_cfg, [CapturePoint.embedding(), *trained[:-1]], "vllm", layers)
     say(
@@ -360,7 +360,7 @@ def chapter_probe(
     the engine feeds under that config) and, in a tie, whether ``fed`` is among what the tie leaves
     open. ``options``: more of the probe's options (``ProbeOptions``)."""
     t = time.perf_counter()
-    trained = DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
+    trained = trained_points(art)
     foreign = root / "foreign-draft"
     shutil.rmtree(foreign, ignore_errors=True)
     shutil.copytree(art, foreign, ignore=shutil.ignore_patterns("strata_*"))
@@ -402,6 +402,11 @@ def chapter_probe(
         )
     say(f"   [{time.perf_counter() - t:.0f} s]")
     return r
+
+
+def trained_points(art: Path) -> list[CapturePoint]:
+    """What a Strata artifact was trained on, from its manifest (the file the probe chapter removes)."""
+    return DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
 
 
 def against_training(r: ProbeReport, trained: list[CapturePoint]) -> str:

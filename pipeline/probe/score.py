@@ -59,9 +59,9 @@ def frequencies(cap: ProbeCapture, target: TargetBatch, steps: int = 1) -> torch
     out = []
     for i in range(steps):
         p, _, in_loss = step_target(target, i, layout)
-        q = (p[in_loss].double().mean(0) if bool(in_loss.any()) else p.new_full(p.shape[-1:], 1.0).double()).clamp_min(
-            1e-30
-        )
-        ce = -(p.double() * q.log()).sum(-1)
-        out.append((ce * in_loss).sum(1))
+        if not bool(in_loss.any()):  # no position this step: nothing to fit, as evidence() finds
+            out.append(torch.zeros(p.shape[0], dtype=torch.float64))
+            continue
+        q = p[in_loss].double().mean(0).clamp_min(1e-30)
+        out.append((-(p.double() * q.log()).sum(-1) * in_loss).sum(1))
     return -torch.stack(out)

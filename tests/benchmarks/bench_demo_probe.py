@@ -23,9 +23,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from _results import save_result  # noqa: E402
+from bench_probe import random_init_copy  # noqa: E402
 
 from pipeline import conventions  # noqa: E402
-from pipeline.demo.story import against_training, chapter_probe  # noqa: E402
+from pipeline.demo.story import against_training, chapter_probe, trained_points  # noqa: E402
 from pipeline.identity import target_identity  # noqa: E402
 from pipeline.train.job import run_train  # noqa: E402
 from schemas.config import load_config  # noqa: E402
@@ -39,7 +40,7 @@ def _draft(demo: Path, epochs: int) -> Path:
     if epochs == cfg.epochs:
         return demo / "run" / "export" / "vllm"
     if epochs == 0:
-        return _untrained(demo / "run" / "export" / "vllm", demo / "run-e0" / "export" / "vllm", demo / "target")
+        return random_init_copy(demo / "run" / "export" / "vllm", demo / "run-e0" / "export" / "vllm", demo / "target")
     run = demo / f"run-e{epochs}"
     if not (run / "export" / "vllm").exists():
         shutil.rmtree(run, ignore_errors=True)
@@ -86,7 +87,7 @@ def main() -> None:
                 "over_frequencies_se": r.over_frequencies_se,
                 "slots": r.slots,
                 "admissible": r.admissible,
-                "against_training": against_training(r, _trained(art)),
+                "against_training": against_training(r, trained_points(art)),
                 "chapter": lines,
                 "chapter_s": round(time.perf_counter() - t, 1),
             }
@@ -103,27 +104,6 @@ def main() -> None:
         "probe_demo_tiny_cpu.json",
         args.out,
     )
-
-
-def _untrained(src: Path, out: Path, target: Path) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    from pipeline.draft.foreign import read_draft
-    from pipeline.draft.model import init_weights
-
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(src, out)
-    model = read_draft(src, target).model
-    init_weights(model, seed=1)
-    names = load_file(str(src / "model.safetensors")).keys()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items() if k in names}, str(out / "model.safetensors"))
-    return out
-
-
-def _trained(art: Path):
-    from schemas.artifact import ARTIFACT_MANIFEST, DraftArtifactManifest
-
-    return DraftArtifactManifest.model_validate_json((art / ARTIFACT_MANIFEST).read_text()).aux_capture_points
 
 
 if __name__ == "__main__":

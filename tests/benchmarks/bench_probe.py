@@ -82,27 +82,8 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int, seed: int = 0)
     """A draft trained ``epochs`` epochs on ``aux`` (``seed``: its init and data order); 0: the same
     draft with random weights."""
     if epochs == 0:
-        import shutil
-
-        import torch
-        from safetensors.torch import load_file, save_file
-
-        from pipeline.draft.model import init_weights
-
-        src = _draft(root, target, aux, 1)
-        out = root / "untrained"
-        shutil.copytree(src, out, dirs_exist_ok=True)
+        out = random_init_copy(_draft(root, target, aux, 1), root / "untrained", target)
         (out / "strata_artifact.json").unlink()
-        sd = load_file(str(out / "model.safetensors"))
-        from pipeline.draft.foreign import read_draft
-
-        model = read_draft(src, target).model
-        init_weights(model, seed=1)
-        rand = {k: v for k, v in model.state_dict().items() if k in sd}
-        save_file(
-            {k: v.contiguous() if v.is_floating_point() else v.to(torch.long) for k, v in rand.items()},
-            str(out / "model.safetensors"),
-        )
         return out
     run = root / f"run-{epochs}-s{seed}-{'-'.join(aux).replace(':', '')}"
     if not run.exists():
@@ -129,6 +110,30 @@ def _draft(root: Path, target: Path, aux: list[str], epochs: int, seed: int = 0)
             use_ray=False,
         )
     return run / "export" / "vllm"
+
+
+def random_init_copy(src: Path, out: Path, target: Path, seed: int = 1) -> Path:
+    """``src`` copied to ``out`` with the draft's weights replaced by a fresh random init (same tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.draft.model import init_weights
+
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    model = read_draft(src, target).model
+    init_weights(model, seed=seed)
+    names = load_file(str(src / "model.safetensors")).keys()
+    save_file(
+        {
+            k: v.contiguous() if v.is_floating_point() else v.to(torch.long)
+            for k, v in model.state_dict().items()
+            if k in names
+        },
+        str(out / "model.safetensors"),
+    )
+    return out
 
 
 def main() -> None:
