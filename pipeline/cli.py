@@ -164,7 +164,6 @@ def cmd_extract(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from pipeline.train.job import run_train
     from schemas.config import load_config
     from schemas.train import TrainConfig
 
@@ -177,6 +176,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         path = DEMO_ROOT.resolve() / "train.yaml"
         print(f"no --config: using the embedded default {path}")
         cfg = load_config(path, TrainConfig)
+    if not args.no_ray:  # Ray starts while the training stack imports (the line below: seconds)
+        from pipeline.cluster import start_ray_meanwhile
+
+        start_ray_meanwhile(cfg.ray_address, dashboard=cfg.num_workers > 1)
+    from pipeline.train.job import run_train
+
     out = run_train(cfg, use_ray=not args.no_ray, progress=not args.no_progress)
     m = out["metrics"]
     ev = m.get("eval") or {}

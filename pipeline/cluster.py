@@ -6,6 +6,8 @@ import atexit
 import logging
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +20,62 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _started_locally = False  # this process started the Ray runtime it uses (no node will join it)
+_background: _BackgroundStart | None = None  # a start begun by start_ray_meanwhile, not yet waited for
+
+
+class _BackgroundStart(threading.Thread):
+    """:func:`init_ray` on a thread that then stays parked until the process exits: Ray's processes
+    get the parent-death signal, which Linux sends when the *thread* that spawned them ends, so a
+    thread that returned after starting Ray would take the GCS and the raylet down with it."""
+
+    def __init__(self, address: str | None, dashboard: bool):
+        super().__init__(name="ray-start", daemon=True)
+        self.address, self.dashboard = address, dashboard
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        quiet = _DropMessage("SIGTERM handler is not set")  # set on the main thread instead
+        ray_log = logging.getLogger("ray._private.worker")
+        ray_log.addFilter(quiet)
+        try:
+            init_ray(self.address, self.dashboard)
+        except BaseException as e:  # re-raised where the job waits for Ray
+            self.error = e
+        finally:
+            ray_log.removeFilter(quiet)
+            self.done.set()
+        threading.Event().wait()
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def start_ray_meanwhile(address: str | None = None, dashboard: bool = True) -> None:
+    """Begin :func:`init_ray` on a helper thread and return at once; the job's next
+    :func:`init_ray` waits for it (and raises what it raised).
+
+    For a driver that imports its training stack next (torch, transformers, DeepSpeed: ~2.5 s on
+    two cores, ``bench_train_job.py``): Ray's start waits mostly on its own processes, so the two
+    overlap instead of adding up. ``ray.init`` installs its SIGTERM handler (exit, so that Ray is
+    shut down) only from the main thread: it is installed here."""
+    global _background
+    if _background is not None:
+        return
+    import ray  # on this thread: the helper's imports should not race the caller's for ray's own modules
+
+    if ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
+    _background = _BackgroundStart(address, dashboard)
+    _background.start()
 
 
 def _loopback_only() -> None:
@@ -44,9 +102,16 @@ def init_ray(address: str | None = None, dashboard: bool = True) -> None:
 
     ``dashboard``: a local Ray starts its dashboard (1.7 s), which serves the state API Ray
     Train's cleanup polls; extraction alone does without, and then starts lean
-    (:func:`_lean_start`). The first call in a process decides.
+    (:func:`_lean_start`). The first call in a process decides, :func:`start_ray_meanwhile`'s
+    included: a call after it waits for that start.
     """
-    global _started_locally
+    global _started_locally, _background
+    bg = _background
+    if bg is not None and threading.current_thread() is not bg:
+        bg.done.wait()
+        _background = None
+        if bg.error is not None:
+            raise bg.error
     # No telemetry: clusters here reach no outside network, and Ray Data's usage
     # collector otherwise polls a Prometheus on localhost:9090 and logs tracebacks.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")

@@ -115,8 +115,12 @@ def test_extract_train_validate_promote_through_ray_job_submit(ray_cluster, tiny
 
 
 LISTENERS = r"""
-import json, os, sys, psutil
-from pipeline.cluster import init_ray
+import json, os, signal, sys, time, psutil
+from pipeline.cluster import init_ray, start_ray_meanwhile
+if sys.argv[1] == "meanwhile":  # as `strata train` starts it: on a helper thread, while the driver imports
+    start_ray_meanwhile(dashboard=False)
+    time.sleep(4)  # the driver's imports; the start finishes on the helper thread meanwhile
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None)
 init_ray(dashboard=sys.argv[1] == "dashboard")
 import ray
 from ray._private.authentication.authentication_utils import is_token_auth_enabled
@@ -146,12 +150,14 @@ ray.shutdown()
 """
 
 
-@pytest.mark.parametrize("mode", ["dashboard", "lean"])
+@pytest.mark.parametrize("mode", ["dashboard", "lean", "meanwhile"])
 def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_path, mode):
     """What `strata extract`/`train` start when no cluster is given, in a clean environment (none
     of the variables the other tests set). Without the dashboard (extraction, one-worker
     training) the runtime starts lean: no API server, no autoscaler monitor, a minimal agent;
-    actors still run and their output still reaches the job's console."""
+    actors still run and their output still reaches the job's console. ``meanwhile``: started on
+    a helper thread as `strata train` starts it, the runtime outlives the start (Linux ends a
+    child when the thread that spawned it ends) and says nothing about a SIGTERM handler."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_USAGE_STATS_ENABLED="0")
     out = subprocess.run(
@@ -172,9 +178,27 @@ def test_the_local_runtime_strata_starts_listens_on_loopback_only_with_auth(tmp_
         "minimal agent": any("dashboard/agent.py" in c and "--minimal" in c for c in got["commands"]),
         "log monitor": any("_private/log_monitor.py" in c for c in got["commands"]),
     }
-    lean = mode == "lean"
+    lean = mode != "dashboard"
     assert started == {"api server": not lean, "monitor": not lean, "minimal agent": lean, "log monitor": True}, (
         started,
         got["commands"],
     )
     assert "HELLO-FROM-THE-ACTOR" in out.stdout + out.stderr, out.stderr[-3000:]
+    assert "SIGTERM handler is not set" not in out.stderr, out.stderr[-3000:]
+
+
+def test_a_ray_start_begun_meanwhile_raises_its_error_where_the_job_waits_for_ray():
+    """The helper thread's failure is the job's: the next init_ray raises it, once."""
+    code = (
+        "import ray\n"
+        "def refuse(**_): raise RuntimeError('no room for a raylet')\n"
+        "ray.init = refuse\n"
+        "from pipeline.cluster import init_ray, start_ray_meanwhile\n"
+        "start_ray_meanwhile(dashboard=False)\n"
+        "try:\n"
+        "    init_ray(dashboard=False)\n"
+        "except RuntimeError as e:\n"
+        "    print('RAISED', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "RAISED no room for a raylet" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
