@@ -143,6 +143,12 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     (p,) = r["plain_process_fixed_s"]["runs"]
     assert 0 < p < r["plain_process_wall_s"]["min"] and 0 < r["job_fixed_s"]["min"] < r["job_wall_s"]["min"]
     assert r["ratios"]["job_fixed_beyond_plain_process_s"] == r["job_fixed_s"]["median"] - p
+    # and without a steady rate: the wall minus the seconds inside the steps (the windows cover them all)
+    for run in (w, plain_run):
+        assert 0 < run["steps_s"] < run["wall_s"] and run["outside_steps_s"] == run["wall_s"] - run["steps_s"]
+    assert r["ratios"]["job_outside_steps_beyond_plain_process_s"] == (
+        w["outside_steps_s"] - plain_run["outside_steps_s"]
+    )
 
 
 def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):

@@ -120,11 +120,17 @@ def run_job(cfg: dict, work: Path, profile: bool = False) -> dict:
         "steps": windows[-1]["step"],
         "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
         "first_window_tokens_per_s": windows[0]["tokens_per_s"],
+        "steps_s": steps_seconds(windows),
         "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
         "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
         "compute_fraction": statistics.median(w["compute_fraction"] for w in steady),
         **({"cpu_while_training": cpu} if cpu else {}),
     }
+
+
+def steps_seconds(windows: list[dict]) -> float:
+    """The seconds the run spent in its training steps: its metrics windows cover every step."""
+    return sum(w["tokens"] / w["tokens_per_s"] for w in windows)
 
 
 class InProcess:
@@ -269,6 +275,7 @@ def main() -> None:
                     "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
                     "first_window_tokens_per_s": windows[0]["tokens_per_s"],
                     "tokens": local.tokens,
+                    "steps_s": steps_seconds(windows),
                 }
             )
         )
@@ -312,10 +319,13 @@ def main() -> None:
     timed = {name: runs for name, runs in (("job", jobs), ("job_ray_data_loading", ray_data_jobs)) if runs}
     for p in processes:  # the same steps at its own steady rate; the rest of its wall is fixed
         p["fixed_s"] = p["wall_s"] - p["tokens"] / p["tokens_per_s"]
+        p["outside_steps_s"] = p["wall_s"] - p["steps_s"]
     for runs in timed.values():
         for j in runs:
             j["fixed_s"] = j["wall_s"] - local.tokens / j["tokens_per_s"]
+            j["outside_steps_s"] = j["wall_s"] - j["steps_s"]
     plain_fixed = med(p["fixed_s"] for p in processes)
+    plain_outside = med(p["outside_steps_s"] for p in processes)
     result = {
         "benchmark": "train_job",
         "host": platform.node(),
@@ -331,8 +341,10 @@ def main() -> None:
         "deepspeed_tokens_per_s": spread(ds_alone),
         "plain_process_wall_s": spread([p["wall_s"] for p in processes]),
         "plain_process_fixed_s": spread([p["fixed_s"] for p in processes]),
+        "plain_process_outside_steps_s": spread([p["outside_steps_s"] for p in processes]),
         "plain_process_runs": processes,
         **{f"{name}_fixed_s": spread([j["fixed_s"] for j in runs]) for name, runs in timed.items()},
+        **{f"{name}_outside_steps_s": spread([j["outside_steps_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_tokens_per_s": spread([j["tokens_per_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_wall_s": spread([j["wall_s"] for j in runs]) for name, runs in timed.items()},
         **{f"{name}_windows": runs for name, runs in timed.items()},
@@ -347,6 +359,11 @@ def main() -> None:
             },
             **{
                 f"{name}_fixed_beyond_plain_process_s": med(j["fixed_s"] for j in runs) - plain_fixed
+                for name, runs in timed.items()
+            },
+            # the same, read without a steady rate: wall minus the seconds inside the steps
+            **{
+                f"{name}_outside_steps_beyond_plain_process_s": med(j["outside_steps_s"] for j in runs) - plain_outside
                 for name, runs in timed.items()
             },
             **{
@@ -368,8 +385,9 @@ def main() -> None:
         "note": "job: python -m pipeline.cli train (1 worker: one Ray actor), steady state = median of "
         "metrics windows after the first; plain and deepspeed: same batches decoded in memory, this process, "
         "same torch threads; plain process: the plain loop as its own script, timed from outside; fixed = wall "
-        "minus the steps' tokens at the run's steady rate; the job's wall includes imports, Ray start, vocab, "
-        "verification, export off.",
+        "minus the steps' tokens at the run's steady rate; outside_steps = wall minus the seconds inside the "
+        "steps (the metrics windows), which steady-rate noise does not move; the job's wall includes imports, "
+        "Ray start, vocab, verification, export off.",
     }
     save_result(result, f"train_job_{a.shape}_cpu.json", a.out)
 
