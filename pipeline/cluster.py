@@ -61,7 +61,7 @@ def start_ray_meanwhile(address: str | None = None, dashboard: bool = True) -> N
     """Begin :func:`init_ray` on a helper thread and return at once; the job's next
     :func:`init_ray` waits for it (and raises what it raised).
 
-    For a driver that imports its training stack next (torch, transformers, DeepSpeed: ~2.5 s on
+    For a driver that imports its training stack next (torch and transformers: ~2.5 s on
     two cores, ``bench_train_job.py``): Ray's start waits mostly on its own processes, so the two
     overlap instead of adding up. ``ray.init`` installs its SIGTERM handler (exit, so that Ray is
     shut down) only from the main thread: it is installed here."""
