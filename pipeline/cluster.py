@@ -35,7 +35,9 @@ class _BackgroundStart(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        quiet = _DropMessage("SIGTERM handler is not set")  # set on the main thread instead
+        def quiet(record: logging.LogRecord) -> bool:  # the handler is set on the main thread instead
+            return not record.getMessage().startswith("SIGTERM handler is not set")
+
         ray_log = logging.getLogger("ray._private.worker")
         ray_log.addFilter(quiet)
         try:
@@ -48,21 +50,12 @@ class _BackgroundStart(threading.Thread):
         threading.Event().wait()
 
 
-class _DropMessage(logging.Filter):
-    def __init__(self, start: str):
-        super().__init__()
-        self.start = start
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.start)
-
-
 def start_ray_meanwhile(address: str | None = None, dashboard: bool = True) -> None:
     """Begin :func:`init_ray` on a helper thread and return at once; the job's next
     :func:`init_ray` waits for it (and raises what it raised).
 
-    For a driver that imports its training stack next (torch and transformers: ~2.5 s on
-    two cores, ``bench_train_job.py``): Ray's start waits mostly on its own processes, so the two
+    For a driver that imports its training stack next (torch and transformers: seconds on two
+    cores): Ray's start waits mostly on its own processes, so the two
     overlap instead of adding up. ``ray.init`` installs its SIGTERM handler (exit, so that Ray is
     shut down) only from the main thread: it is installed here."""
     global _background

@@ -149,6 +149,7 @@ def test_train_job_benchmark_times_the_cli_job_against_the_plain_loop(tmp_path):
     assert r["ratios"]["job_outside_steps_beyond_plain_process_s"] == (
         w["outside_steps_s"] - plain_run["outside_steps_s"]
     )
+    assert w["timing"]["fit_parts"]["steps"] > 0 and {"ray_start", "prepare", "fit", "total"} <= set(w["timing"])
 
 
 def test_stream_benchmark_times_streaming_against_extract_then_train(tmp_path):

@@ -121,6 +121,7 @@ def run_job(cfg: dict, work: Path, profile: bool = False) -> dict:
         "tokens_per_s": statistics.median(w["tokens_per_s"] for w in steady),
         "first_window_tokens_per_s": windows[0]["tokens_per_s"],
         "steps_s": steps_seconds(windows),
+        "timing": json.loads((Path(cfg["output"]) / "timing.json").read_text()),  # where the job says it went
         "data_wait_fraction": statistics.median(w["data_wait_fraction"] for w in steady),
         "first_window_data_wait_fraction": windows[0]["data_wait_fraction"],
         "compute_fraction": statistics.median(w["compute_fraction"] for w in steady),
